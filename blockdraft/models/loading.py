@@ -1,0 +1,68 @@
+"""Load a target model (and its tokenizer) from a local HF folder of safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import BlockdraftError
+from .config import TargetConfig
+from .layers import Rotary
+from .transformer import Transformer
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise BlockdraftError(f"{folder}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def read_safetensors(folder: Path, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    weights = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = None) -> Transformer:
+    """Build our Transformer from an HF model folder (config.json + safetensors)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BlockdraftError(f"target model folder not found: {folder}")
+    cfg = TargetConfig.from_folder(folder)
+    device = torch.device(device or "cpu")
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    weights = read_safetensors(folder, dtype, device)
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - weights.keys())
+    if missing:
+        raise BlockdraftError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+    model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
+    return model.eval()
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises many types for a bad folder
+        raise BlockdraftError(f"{folder}: could not load a tokenizer ({exc})") from None
