@@ -1,0 +1,139 @@
+"""Greedy speculative decoding emits exactly the target's own greedy output.
+
+The oracle is HF transformers' `generate` on the same weights. The only excuse
+for a divergence is a genuine fp32 tie: at the first differing position, the
+gap between the target's top-2 logits must be below 1e-4 (checked with HF).
+"""
+
+import pytest
+import torch
+
+from blockdraft.decode import Request, generate_steps
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.proposers import DFlashProposer, Proposer
+
+N_NEW = 24
+TIE_GAP = 1e-4
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smol, chat_ids):
+    """HF's own greedy continuation of each prompt (stopping at <|im_end|> like ours)."""
+    refs = []
+    for ids in chat_ids:
+        with torch.no_grad():
+            out = hf_smol.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                   eos_token_id=2, pad_token_id=2)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+class RiggedProposer(DFlashProposer):
+    """Runs the real drafter (so the context-feature path is exercised), then replaces
+    its tokens with the true continuation (perfect) or something else (always wrong)."""
+
+    def __init__(self, drafter, target, truths, prompt_lens, perfect):
+        super().__init__(drafter, target)
+        self.truths, self.prompt_lens, self.perfect = truths, prompt_lens, perfect
+
+    def propose(self, last_tokens, positions, n):
+        drafts = super().propose(last_tokens, positions, n)
+        for b in range(drafts.shape[0]):
+            for k in range(n):
+                i = int(positions[b]) + 1 + k - self.prompt_lens[b]
+                truth = self.truths[b][i] if i < len(self.truths[b]) else 0
+                drafts[b, k] = truth if self.perfect else (truth + 1) % 49152
+        return drafts
+
+
+def run(target, proposer, prompts, block_size, max_new=N_NEW):
+    states = []
+    reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=(2,)) for p in prompts]
+    for _ in generate_steps(target, proposer, reqs, block_size, states):
+        pass
+    return states
+
+
+def assert_same_or_tie(hf_model, prompt, ours, ref, label):
+    """Token-for-token equality, or a divergence at a genuine fp32 tie (reported)."""
+    if ours == ref:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < TIE_GAP, (f"{label}: diverges from HF greedy at token {i} (ours {ours[i:i+3]}, "
+                           f"HF {ref[i:i+3]}), top-2 logit gap {gap:.2e} is no tie")
+    print(f"{label}: fp32 tie at token {i} (gap {gap:.1e}) excused")
+
+
+def test_ar_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy):
+    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
+        out = run(smol, Proposer(), [ids], 1)[0]
+        assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"ar prompt {k}")
+        assert all(a == 1 for a in out.acceptance_lengths)
+
+
+def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
+        out = run(smol, DFlashProposer(random_drafter, smol), [ids], 16)[0]
+        assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"dflash prompt {k}")
+        assert sum(out.acceptance_lengths) + 1 >= len(out.output_ids)
+
+
+def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+    lens = [len(p) for p in chat_ids]
+    proposer = RiggedProposer(random_drafter, smol, hf_greedy, lens, perfect=True)
+    states = run(smol, proposer, chat_ids, 16)  # all ten prompts in one batch
+    for k, (ids, out, ref) in enumerate(zip(chat_ids, states, hf_greedy)):
+        assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"perfect prompt {k}")
+        if out.output_ids == ref and len(ref) == N_NEW:
+            # first token from prefill, then 16 per step: 1 + 16 = 17, then the rest
+            assert out.acceptance_lengths[0] == 16
+
+
+def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+    lens = [len(p) for p in chat_ids]
+    proposer = RiggedProposer(random_drafter, smol, hf_greedy, lens, perfect=False)
+    states = run(smol, proposer, chat_ids, 8)  # and a run-time block size below the trained 16
+    for k, (ids, out, ref) in enumerate(zip(chat_ids, states, hf_greedy)):
+        assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"wrong prompt {k}")
+        if out.output_ids == ref:
+            assert set(out.acceptance_lengths) == {1}
+
+
+def test_batch_of_four_equals_each_prompt_alone(smol, chat_ids, random_drafter, hf_smol):
+    prompts = [chat_ids[i] for i in (4, 9, 0, 5)]  # very different lengths
+    assert len({len(p) for p in prompts}) == 4
+    alone = [run(smol, DFlashProposer(random_drafter, smol), [p], 16)[0].output_ids for p in prompts]
+    together = run(smol, DFlashProposer(random_drafter, smol), prompts, 16)
+    for k, (p, a, t) in enumerate(zip(prompts, alone, together)):
+        assert_same_or_tie(hf_smol, p, t.output_ids, a, f"batch row {k}")
+
+
+def test_output_tokens_equal_to_the_mask_id_are_kept(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+    # Make the mask token a token the target really emits in its answer.
+    k = 0
+    mask_id = hf_greedy[k][3]
+    cfg = DraftConfig(**{**random_drafter.config.__dict__, "mask_token_id": mask_id})
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.load_state_dict(random_drafter.state_dict())
+    out = run(smol, DFlashProposer(drafter, smol), [chat_ids[k]], 16)[0]
+    assert mask_id in out.output_ids
+    assert_same_or_tie(hf_smol, chat_ids[k], out.output_ids, hf_greedy[k], "mask-id token")
+
+
+def test_max_new_tokens_and_stop_tokens_are_honoured(smol, chat_ids, hf_greedy, random_drafter):
+    lens = [len(chat_ids[0])]
+    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens, perfect=True)
+    out = run(smol, perfect, [chat_ids[0]], 16, max_new=5)[0]
+    assert out.output_ids == hf_greedy[0][:5] and out.finish_reason == "length"
+    # stop at the first occurrence of a token in the middle of a fully accepted block
+    stop = hf_greedy[0][7]
+    states = []
+    req = Request(chat_ids[0], max_new_tokens=N_NEW, stop_token_ids=(stop,))
+    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens, perfect=True)
+    list(generate_steps(smol, perfect, [req], 16, states))
+    assert states[0].output_ids == hf_greedy[0][: hf_greedy[0].index(stop) + 1]
+    assert states[0].finish_reason == "stop"
