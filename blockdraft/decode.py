@@ -156,7 +156,6 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
         t2 = time.perf_counter()
         proposer.observe(block, features, positions)
 
-        active = torch.tensor([not s.finished for s in states], device=device)
         accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
         new_ids = []
         for b, (req, state) in enumerate(zip(requests, states)):
@@ -167,6 +166,7 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
             state.acceptance_lengths.append(a + 1)
             new_ids.append(_emit(req, state, drafts_list[b][:a] + [target_list[b][a]]))
         # Finished rows stay frozen: they are recomputed at the same positions, harmlessly.
+        active = torch.tensor([not s.finished for s in states], device=device)
         bonus = target_ids.gather(1, accepted[:, None])[:, 0]
         committed = torch.where(active, committed + accepted + 1, committed)
         pending = torch.where(active, bonus, pending)

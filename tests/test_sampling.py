@@ -1,0 +1,146 @@
+"""Sampling is exact: speculative decoding samples from the target's own distribution."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import blockdraft.decode as decode_mod
+from blockdraft.decode import Request, generate_steps
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.models import load_target
+from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.sampling import SamplingParams, target_probs
+
+from .conftest import save_tiny_hf
+
+V, L = 6, 3  # vocabulary and continuation length: 216 outcomes, enumerated exactly
+PROMPT = [1, 4, 2, 0]
+N_SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf = save_tiny_hf("llama", path, vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():  # sharpen the distributions so they are far from uniform
+        hf.lm_head.weight.mul_(25)
+    hf.save_pretrained(str(path))
+    target = load_target(path)
+    torch.manual_seed(5)
+    cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=4, mask_token_id=5)
+    return hf, target, DFlashDrafter(cfg).eval()
+
+
+def exact_distribution(hf, params: SamplingParams) -> dict[tuple, float]:
+    one = lambda x: torch.tensor([x])  # noqa: E731
+    dist = {}
+    for seq in itertools.product(range(V), repeat=L):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1:]
+        probs = target_probs(logits, one(params.temperature).expand(L), one(params.top_p).expand(L),
+                             one(params.top_k).expand(L))
+        dist[seq] = math.prod(float(probs[i, t]) for i, t in enumerate(seq))
+    return dist
+
+
+def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=500) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for start in range(0, n, batch):
+        reqs = [Request(PROMPT, max_new_tokens=L, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
+        states = []
+        for _ in generate_steps(target, proposer, reqs, 4, states):
+            pass
+        for s in states:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+    return counts
+
+
+def chi_square(dist, counts, n=N_SAMPLES):
+    """Pearson statistic with cells of expected count < 5 pooled, and its 0.1% critical value."""
+    stat, pooled_e, pooled_o, cells = 0.0, 0.0, 0, 0
+    for seq, p in dist.items():
+        e, o = p * n, counts.get(seq, 0)
+        if e < 5:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+        else:
+            stat, cells = stat + (o - e) ** 2 / e, cells + 1
+    if pooled_e > 0:
+        stat, cells = stat + (pooled_o - pooled_e) ** 2 / pooled_e, cells + 1
+    df = cells - 1
+    z = 3.09  # Wilson-Hilferty approximation of the chi-square quantile at 0.999
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, critical
+
+
+CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("params", CASES, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
+def test_dflash_samples_follow_the_target_distribution(tiny, params):
+    hf, target, drafter = tiny
+    dist = exact_distribution(hf, params)
+    assert max(dist.values()) < 0.6  # the test needs a distribution with real spread
+    proposer = DFlashProposer(drafter, target)
+    stat, critical = chi_square(dist, sample_counts(target, proposer, params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
+def test_the_test_rejects_common_wrong_acceptance_rules(tiny, monkeypatch):
+    hf, target, drafter = tiny
+    params = CASES[0]
+    dist = exact_distribution(hf, params)
+    right = decode_mod.acceptance
+    wrong_rules = {
+        "accept every draft": lambda d, t: torch.full((d.shape[0],), d.shape[1], dtype=torch.long),
+        "accept one unverified draft": lambda d, t: (right(d, t) + 1).clamp(max=d.shape[1]),
+    }
+    for name, rule in wrong_rules.items():
+        monkeypatch.setattr(decode_mod, "acceptance", rule)
+        stat, critical = chi_square(dist, sample_counts(target, DFlashProposer(drafter, target), params))
+        assert stat > critical, f"the chi-square test fails to catch the wrong rule '{name}'"
+
+
+def test_a_seed_gives_the_same_tokens_with_and_without_speculation(tiny):
+    _, target, drafter = tiny
+    for params in CASES:
+        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(40)]
+        outs = {}
+        for name, proposer in [("ar", Proposer()), ("dflash", DFlashProposer(drafter, target))]:
+            states = []
+            for _ in generate_steps(target, proposer, reqs, 4, states):
+                pass
+            outs[name] = [s.output_ids for s in states]
+        assert outs["ar"] == outs["dflash"]
+        assert len({tuple(o) for o in outs["ar"]}) > 10  # different seeds really differ
+
+
+def test_target_probs_match_hf_logits_warpers():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    for t, k, p in [(1.0, 0, 1.0), (0.5, 7, 1.0), (1.5, 0, 0.6), (0.8, 10, 0.9)]:
+        ref = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1:
+            ref = TopPLogitsWarper(p)(None, ref)
+        ours = target_probs(logits, torch.full((4,), t), torch.full((4,), p), torch.full((4,), k))
+        torch.testing.assert_close(ours.float(), torch.softmax(ref, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_sampled_smollm2_is_reproducible_and_identical_across_methods(smol, chat_ids, random_drafter):
+    reqs = [Request(chat_ids[i], max_new_tokens=16, sampling=SamplingParams(1.0, top_p=0.95, seed=7 + i),
+                    stop_token_ids=(2,)) for i in (0, 2)]
+    runs = []
+    for proposer in (Proposer(), DFlashProposer(random_drafter, smol), DFlashProposer(random_drafter, smol)):
+        states = []
+        for _ in generate_steps(smol, proposer, reqs, 16 if proposer.max_block_size else 1, states):
+            pass
+        runs.append([s.output_ids for s in states])
+    assert runs[0] == runs[1] == runs[2]
