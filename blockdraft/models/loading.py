@@ -11,7 +11,7 @@ from safetensors import safe_open
 from ..errors import BlockdraftError
 from .config import TargetConfig
 from .layers import Rotary
-from .transformer import Transformer
+from .transformer import Transformer, fuse_hf_weights
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -44,7 +44,7 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = Transformer(cfg)
-    weights = read_safetensors(folder, dtype, device)
+    weights = fuse_hf_weights(read_safetensors(folder, dtype, device))
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

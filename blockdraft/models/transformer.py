@@ -14,10 +14,11 @@ overwritten by the next write.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
+from .layers import RMSNorm, Rotary, apply_rotary, attend
 
 
 class KVCache(nn.Module):
@@ -40,9 +41,8 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=cfg.attention_bias)
+        # q, k and v in one matmul (fewer, larger kernels: this path is memory-bound on CPU)
+        self.qkv_proj = nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.attention_bias)
         # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=cfg.attention_bias and cfg.model_type != "qwen2")
         if cfg.qk_norm:
@@ -54,9 +54,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, mask, used):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
@@ -66,11 +65,37 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class FusedSwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map an HF checkpoint's q/k/v and gate/up projections onto our fused ones."""
+    out = dict(weights)
+    for name in list(weights):
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if f".{parts[0]}." in name:
+                names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in weights for n in names):
+                    out[name.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([weights[n] for n in names])
+                    for n in names:
+                        out.pop(n)
+    return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = FusedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -88,7 +113,7 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A causal LM whose parameter names match HF's `*ForCausalLM` checkpoints."""
+    """A causal LM loaded from HF `*ForCausalLM` checkpoints (see `fuse_hf_weights`)."""
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()

@@ -1,0 +1,88 @@
+"""Measure the engine's basic costs on the default target (numbers quoted in the README).
+
+1. Tokens/s of our autoregressive path (`--method ar`) vs HF transformers' greedy
+   `generate` on the same weights, interleaved prompt by prompt, medians over prompts.
+2. The cost of one target forward that verifies B = 1, 4, 8, 16 tokens (logits at every
+   position), relative to one plain decode step (B = 1).
+
+    python scripts/engine_costs.py [--max-new-tokens 64] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from blockdraft import Engine
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "What are the main causes of inflation?",
+    "Write a short story about a robot learning to paint.",
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.load(use_draft=False)
+    hf = AutoModelForCausalLM.from_pretrained(engine.target_name, dtype=torch.float32).eval()
+    n = args.max_new_tokens
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+
+    ours_tps, hf_tps = [], []
+    engine.generate("warm up", max_new_tokens=4, method="ar")
+    hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=2)
+    for _ in range(args.repeats):
+        for prompt in PROMPTS:
+            ids = engine.encode(prompt, chat=True)
+            out = engine.generate(ids, method="ar", max_new_tokens=n)
+            ours_tps.append(out.tokens_per_second)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
+            dt = time.perf_counter() - t
+            hf_new = ref.shape[1] - len(ids)
+            hf_tps.append(hf_new / dt)
+            assert ref[0, len(ids):].tolist() == out.token_ids, "ar output differs from HF greedy"
+    o, h = statistics.median(ours_tps), statistics.median(hf_tps)
+    print(f"tokens/s, median over {len(ours_tps)} generations of up to {n} tokens:")
+    print(f"  blockdraft ar : {o:6.2f}")
+    print(f"  HF generate   : {h:6.2f}")
+    print(f"  ratio         : {o / h:6.2f}x")
+
+    target = engine.target
+    prompt = engine.encode(PROMPTS[0] * 4, chat=True)
+    target.setup_caches(1, len(prompt) + 64)
+    with torch.inference_mode():
+        target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+        times = {}
+        for _ in range(3):  # interleave block sizes so drift hits all alike
+            for b in (1, 4, 8, 16):
+                toks = torch.randint(0, 49152, (1, b))
+                pos = torch.arange(len(prompt), len(prompt) + b)[None]
+                for _ in range(7):
+                    t = time.perf_counter()
+                    h, _ = target(toks, pos)
+                    target.logits(h).argmax(-1)
+                    times.setdefault(b, []).append(time.perf_counter() - t)
+    base = statistics.median(times[1])
+    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[1])}:")
+    for b, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  B={b:2d}: {m * 1e3:7.1f} ms = {m / base:4.2f} x one decode step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The CLI's JSON contract and its error messages (real subprocesses)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.engine import Engine
+
+CONTRACT = {"text", "token_ids", "num_prompt_tokens", "num_output_tokens", "acceptance_lengths", "tau",
+            "decode_seconds", "tokens_per_second"}
+
+
+def cli(*args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "blockdraft", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, random_drafter):
+    path = tmp_path_factory.mktemp("drafts") / "random"
+    random_drafter.save(path)
+    return path
+
+
+def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
+    outs = {}
+    for method in ("ar", "dflash"):
+        code, out, err = cli("generate", "--prompt", "Name three fruits.", "--chat", "--max-new-tokens", "12",
+                             "--method", method, "--draft", str(draft_dir), "--json")
+        assert code == 0, err
+        outs[method] = data = json.loads(out)
+        assert CONTRACT <= set(data)
+        assert data["num_output_tokens"] == len(data["token_ids"]) <= 12
+        assert data["tau"] == pytest.approx(sum(data["acceptance_lengths"]) / len(data["acceptance_lengths"]))
+        assert data["tokens_per_second"] > 0
+    assert outs["ar"]["token_ids"] == outs["dflash"]["token_ids"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    assert outs["ar"]["num_prompt_tokens"] == len(ids)
+    ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2)
+    assert outs["ar"]["token_ids"] == ref[0, len(ids):].tolist()
+    assert outs["ar"]["text"] == tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "/nonexistent/model"], "target model folder not found"),
+    (["--prompt-override", ""], "empty prompt"),
+    (["--block-size", "32"], "block size 32 must be between 2 and the drafter's trained block size 16"),
+    (["--max-new-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+])
+def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir):
+    prompt = "Hello"
+    if args[0] == "--prompt-override":
+        prompt, args = args[1], []
+    code, out, err = cli("generate", "--prompt", prompt, "--draft", str(draft_dir), *args)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_mismatched_drafter_and_unsupported_target_are_clear_errors(tmp_path, draft_dir):
+    torch.manual_seed(0)
+    wrong = DraftConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, intermediate_size=96, vocab_size=1000, num_target_layers=30,
+                        target_layer_ids=[15], mask_token_id=4, block_size=8)
+    DFlashDrafter(wrong).save(tmp_path / "wrong")
+    code, _, err = cli("generate", "--prompt", "Hi", "--draft", str(tmp_path / "wrong"))
+    assert code == 2 and "hidden size 64 != target's 576" in err and "vocab size 1000" in err
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    code, _, err = cli("generate", "--prompt", "Hi", "--target", str(tmp_path / "gpt2"), "--method", "ar")
+    assert code == 2 and "unsupported architecture 'gpt2'" in err
+
+
+def test_no_shipped_drafter_yet_says_so(monkeypatch, tmp_path):
+    import blockdraft.engine as engine_mod
+
+    monkeypatch.setitem(engine_mod.SHIPPED_DRAFTS, engine_mod.DEFAULT_TARGET_NAME, tmp_path / "none")
+    engine = Engine.load()
+    from blockdraft.errors import BlockdraftError
+    with pytest.raises(BlockdraftError, match="no trained drafter is shipped"):
+        engine.generate("Hi", method="dflash")
+    assert engine.generate("Hi", method="ar", max_new_tokens=3).num_output_tokens == 3
+
+
+def test_api_stream_and_stop_strings(draft_dir):
+    engine = Engine.load(draft=draft_dir)
+    full = engine.generate("List the days of the week, one per line.", chat=True, max_new_tokens=40)
+    pieces = list(engine.stream("List the days of the week, one per line.", chat=True, max_new_tokens=40))
+    assert "".join(pieces) == full.text and len(pieces) > 3
+    word = full.text.split()[2]
+    cut = engine.generate("List the days of the week, one per line.", chat=True, max_new_tokens=40, stop=word)
+    assert cut.finish_reason == "stop" and word not in cut.text and full.text.startswith(cut.text)
+    streamed = "".join(engine.stream("List the days of the week, one per line.", chat=True,
+                                     max_new_tokens=40, stop=word))
+    assert streamed == cut.text
+    batch = engine.generate(["Hi!", "Count to five."], chat=True, max_new_tokens=8, method="ar")
+    assert [b.token_ids for b in batch] == [engine.generate(p, chat=True, max_new_tokens=8, method="ar").token_ids
+                                            for p in ["Hi!", "Count to five."]]
