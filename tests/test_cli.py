@@ -88,6 +88,7 @@ def test_no_shipped_drafter_yet_says_so(monkeypatch, tmp_path):
     assert engine.generate("Hi", method="ar", max_new_tokens=3).num_output_tokens == 3
 
 
+@pytest.mark.slow
 def test_api_stream_and_stop_strings(draft_dir):
     engine = Engine.load(draft=draft_dir)
     full = engine.generate("List the days of the week, one per line.", chat=True, max_new_tokens=40)

@@ -75,6 +75,7 @@ def test_ar_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy):
         assert all(a == 1 for a in out.acceptance_lengths)
 
 
+@pytest.mark.slow
 def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
     for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
         out = run(smol, DFlashProposer(random_drafter, smol), [ids], 16)[0]
@@ -103,6 +104,7 @@ def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, cha
             assert set(out.acceptance_lengths) == {1}
 
 
+@pytest.mark.slow
 def test_batch_of_four_equals_each_prompt_alone(smol, chat_ids, random_drafter, hf_smol):
     prompts = [chat_ids[i] for i in (4, 9, 0, 5)]  # very different lengths
     assert len({len(p) for p in prompts}) == 4
