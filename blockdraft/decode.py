@@ -45,10 +45,10 @@ class SequenceState:
 
 @dataclass
 class Step:
-    """What one step of the loop did. `new_ids[b]` are row b's newly emitted tokens."""
+    """What one step of the loop did: newly emitted tokens per request index."""
 
-    new_ids: list[list[int]]
-    finished: list[bool]
+    new_ids: dict[int, list[int]]
+    finished: dict[int, bool]
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -101,12 +101,15 @@ def check_requests(target: Transformer, requests: list[Request], block_size: int
 
 @torch.inference_mode()
 def generate_steps(target: Transformer, proposer: Proposer, requests: list[Request],
-                   block_size: int = 16, states: list[SequenceState] | None = None) -> Iterator[Step]:
-    """Run the loop for a batch of requests, yielding one `Step` per target forward.
+                   block_size: int = 16, states: list[SequenceState] | None = None,
+                   batch_size: int | None = None) -> Iterator[Step]:
+    """Run the loop over requests, yielding one `Step` per target forward.
 
     `block_size` is the verified block length: the last committed token plus
-    block_size - 1 drafts (1 for autoregressive decoding). Final outputs accumulate in
-    `states` (pass a list to read them).
+    block_size - 1 drafts (1 for autoregressive decoding). The batch has `batch_size`
+    slots (default: one per request); when a sequence finishes and requests are still
+    waiting, the next one is prefilled into its slot (continuous batching). Final
+    outputs accumulate in `states` (pass a list to read them), indexed like `requests`.
     """
     if proposer.max_block_size is None:
         block_size = 1
@@ -117,34 +120,44 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     if states is None:
         states = []
     states[:] = [SequenceState() for _ in requests]
-    device, batch = target.device, len(requests)
-    params = [r.sampling for r in requests]
+    device = target.device
+    batch = min(batch_size or len(requests), len(requests))
     capture = proposer.capture_layers
     target.ensure_caches(batch, max_len)
     proposer.reset(batch, max_len)
+    slot_req = list(range(batch))  # which request each slot serves
+    waiting = batch  # index of the next request to start
+    params = [requests[i].sampling for i in slot_req]
+    committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
+    pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
 
-    # Prefill: all prompts right-padded into one forward; each row's first token
-    # comes from the logits at its last prompt position.
+    def prefill(first_slot: int, count: int) -> dict[int, list[int]]:
+        """Prefill requests of slots first_slot..+count in one right-padded forward; each
+        first token comes from the logits at the request's last prompt position."""
+        rows = slice(first_slot, first_slot + count)
+        reqs = [requests[i] for i in slot_req[rows]]
+        lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=device)
+        width = int(lengths.max())
+        tokens = torch.zeros(count, width, dtype=torch.long, device=device)
+        for b, r in enumerate(reqs):
+            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        positions = torch.arange(width, device=device).expand(count, -1)
+        hidden, features = target(tokens, positions, capture, rows=rows)
+        last = hidden[torch.arange(count, device=device), lengths - 1]
+        first = sample_tokens(target.logits(last)[:, None], lengths[:, None], params[rows])[:, 0]
+        proposer.observe(tokens, features, positions, rows=rows)
+        committed[rows], pending[rows] = lengths, first
+        return {i: _emit(requests[i], states[i], [int(t)]) for i, t in zip(slot_req[rows], first.tolist())}
+
     t0 = time.perf_counter()
-    lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)
-    width = int(lengths.max())
-    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-    for b, r in enumerate(requests):
-        tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-    positions = torch.arange(width, device=device).expand(batch, -1)
-    hidden, features = target(tokens, positions, capture)
-    last = hidden[torch.arange(batch, device=device), lengths - 1]
-    first = sample_tokens(target.logits(last)[:, None], lengths[:, None], params)[:, 0]
-    proposer.observe(tokens, features, positions)
-    new_ids = [_emit(r, s, [int(first[b])]) for b, (r, s) in enumerate(zip(requests, states))]
-    committed = lengths.clone()  # tokens whose keys/values are in the target cache
-    pending = first.clone()  # each row's last emitted token, not yet in the cache
-    yield Step(new_ids, [s.finished for s in states], total_seconds=time.perf_counter() - t0,
-               verify_seconds=time.perf_counter() - t0, prefill=True)
+    new_ids = prefill(0, batch)
+    elapsed = time.perf_counter() - t0
+    yield Step(new_ids, {i: states[i].finished for i in new_ids}, verify_seconds=elapsed,
+               total_seconds=elapsed, prefill=True)
 
     n = block_size - 1
     offsets = torch.arange(block_size, device=device)
-    while not all(s.finished for s in states):
+    while not all(states[i].finished for i in slot_req) or waiting < len(requests):
         t0 = time.perf_counter()
         drafts = proposer.propose(pending, committed, n)
         t1 = time.perf_counter()
@@ -157,20 +170,23 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
         proposer.observe(block, features, positions)
 
         accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
-        new_ids = []
-        for b, (req, state) in enumerate(zip(requests, states)):
-            if state.finished:
-                new_ids.append([])
+        new_ids = {}
+        for b, i in enumerate(slot_req):
+            if states[i].finished:
                 continue
             a = accepted_list[b]
-            state.acceptance_lengths.append(a + 1)
-            new_ids.append(_emit(req, state, drafts_list[b][:a] + [target_list[b][a]]))
+            states[i].acceptance_lengths.append(a + 1)
+            new_ids[i] = _emit(requests[i], states[i], drafts_list[b][:a] + [target_list[b][a]])
         # Finished rows stay frozen: they are recomputed at the same positions, harmlessly.
-        active = torch.tensor([not s.finished for s in states], device=device)
+        active = torch.tensor([not states[i].finished for i in slot_req], device=device)
         bonus = target_ids.gather(1, accepted[:, None])[:, 0]
-        committed = torch.where(active, committed + accepted + 1, committed)
-        pending = torch.where(active, bonus, pending)
+        committed.copy_(torch.where(active, committed + accepted + 1, committed))
+        pending.copy_(torch.where(active, bonus, pending))
+        for b in range(batch):  # continuous batching: a free slot takes the next request
+            if states[slot_req[b]].finished and waiting < len(requests):
+                slot_req[b], params[b] = waiting, requests[waiting].sampling
+                waiting += 1
+                new_ids.update(prefill(b, 1))
         t3 = time.perf_counter()
-        yield Step(new_ids, [s.finished for s in states], draft_seconds=t1 - t0,
+        yield Step(new_ids, {i: states[i].finished for i in new_ids}, draft_seconds=t1 - t0,
                    verify_seconds=t2 - t1, total_seconds=t3 - t0)
-

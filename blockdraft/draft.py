@@ -238,7 +238,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
-                context: torch.Tensor, context_positions: torch.Tensor,
+                context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, cache: DraftCache | None = None) -> torch.Tensor:
         """Denoise blocks in one pass; returns final-norm hidden states [B, Tq, H].
 
@@ -248,30 +248,42 @@ class DFlashDrafter(nn.Module):
 
         Training (cache None): keys are [context, blocks]; `mask` [B, 1, Tq, C+Tq] says
         which each query sees (a block: context strictly before its anchor, and itself).
-        Decoding (cache given): the context K/V are written into the cache at their
-        positions and every block query sees cached context at positions strictly
-        before its anchor (`positions[:, 0]`) plus its whole block.
+        Decoding (cache given): new context (if any) is first written into the cache, then
+        every block query sees cached context at positions strictly before its anchor
+        (`positions[:, 0]`) plus its whole block.
         """
-        fused = self.hidden_norm(self.fc(context))
         cos, sin = self.rotary(positions, noise_embedding.dtype)
-        ctx_cos, ctx_sin = self.rotary(context_positions, noise_embedding.dtype)
-        if cache is not None:
+        if cache is None:
+            fused = self.hidden_norm(self.fc(context))
+            ctx_cos, ctx_sin = self.rotary(context_positions, noise_embedding.dtype)
+        else:
+            if context is not None:
+                self.write_context(cache, context, context_positions)
+            b, t = positions.shape
             used = int(positions[:, 0].max())
             keys = torch.arange(used, device=positions.device)
-            ctx_mask = (keys < positions[:, :1]).view(positions.shape[0], 1, 1, used)
-            ctx_mask = ctx_mask.expand(-1, 1, positions.shape[1], -1)
-            block_mask = ctx_mask.new_ones(positions.shape[0], 1, positions.shape[1], positions.shape[1])
-            mask = torch.cat([ctx_mask, block_mask], dim=-1)
-            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+            ctx_mask = (keys < positions[:, :1]).view(b, 1, 1, used).expand(-1, 1, t, -1)
+            mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, 1, t, t)], dim=-1)
         x = noise_embedding
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
-            if cache is not None:
-                cache.k[i].transpose(1, 2)[rows, context_positions] = ctx_k.transpose(1, 2)
-                cache.v[i].transpose(1, 2)[rows, context_positions] = ctx_v.transpose(1, 2)
+            if cache is None:
+                ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
+            else:
                 ctx_k, ctx_v = cache.k[i, :, :, :used], cache.v[i, :, :, :used]
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(x)
+
+    def write_context(self, cache: DraftCache, context: torch.Tensor, positions: torch.Tensor,
+                      rows: slice = slice(None)):
+        """Project context features [B, C, k*H] into every layer's cached K/V at their
+        positions [B, C], for batch rows `rows` (the KV injection, done once per token)."""
+        fused = self.hidden_norm(self.fc(context))
+        cos, sin = self.rotary(positions, fused.dtype)
+        index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(fused, cos, sin)
+            cache.k[i, rows].transpose(1, 2)[index, positions] = k.transpose(1, 2)
+            cache.v[i, rows].transpose(1, 2)[index, positions] = v.transpose(1, 2)
 
     def new_cache(self, batch: int, max_len: int) -> DraftCache:
         w = self.fc.weight

@@ -164,7 +164,7 @@ class Engine:
             steps.append(step)
             if on_text is not None:
                 for i, (row, state) in enumerate(zip(rows, states)):
-                    if step.new_ids[i] or state.finished:
+                    if step.new_ids.get(i) or state.finished:
                         delta = self._text_delta(row, state)
                         if delta:
                             on_text(i, delta)

@@ -23,10 +23,11 @@ class Proposer:
     def reset(self, batch: int, max_len: int) -> None:
         """Start a new batch of `batch` sequences of at most `max_len` positions."""
 
-    def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Tokens [B, T] just processed by the target at positions [B, T], with their
-        captured features. Entries past a row's committed length are junk; a later
-        call rewrites those positions."""
+    def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor,
+                rows: slice = slice(None)) -> None:
+        """Tokens [B, T] of batch rows `rows` just processed by the target at positions
+        [B, T], with their captured features. Entries past a row's committed length are
+        junk; a later call rewrites those positions."""
 
     def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """Draft tokens [B, n] for positions p+1..p+n, given each row's last committed
@@ -46,23 +47,23 @@ class DFlashProposer(Proposer):
         self.max_block_size = drafter.config.block_size
         self.mask_token_id = drafter.config.mask_token_id
         self.cache = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, slice]] = []
 
     def reset(self, batch, max_len):
         if self.cache is None or self.cache.batch != batch or self.cache.max_len < max_len:
             self.cache = self.drafter.new_cache(batch, max_len)
         self._pending = []
 
-    def observe(self, tokens, features, positions):
-        self._pending.append((features, positions))
+    def observe(self, tokens, features, positions, rows=slice(None)):
+        self._pending.append((features, positions, rows))  # projected lazily, in propose
 
     def propose(self, last_tokens, positions, n):
-        features = torch.cat([f for f, _ in self._pending], dim=1)
-        ctx_positions = torch.cat([p for _, p in self._pending], dim=1)
+        for features, ctx_positions, rows in self._pending:
+            self.drafter.write_context(self.cache, features, ctx_positions, rows)
         self._pending = []
         offsets = torch.arange(n + 1, device=positions.device)
         block_positions = positions[:, None] + offsets
         block = torch.full_like(block_positions, self.mask_token_id)
         block[:, 0] = last_tokens
-        hidden = self.drafter(self.target.embed(block), block_positions, features, ctx_positions, cache=self.cache)
+        hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache)
         return self.target.logits(hidden[:, 1:]).argmax(-1)

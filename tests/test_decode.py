@@ -139,3 +139,22 @@ def test_max_new_tokens_and_stop_tokens_are_honoured(smol, chat_ids, hf_greedy, 
     list(generate_steps(smol, perfect, [req], 16, states))
     assert states[0].output_ids == hf_greedy[0][: hf_greedy[0].index(stop) + 1]
     assert states[0].finish_reason == "stop"
+
+
+def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, chat_ids, random_drafter, hf_smol):
+    """Seven requests through three slots: finished sequences hand their slot to waiting ones."""
+    reqs = [Request(chat_ids[i], max_new_tokens=4 + 3 * i, stop_token_ids=(2,)) for i in range(7)]
+    for proposer, block in ((Proposer(), 1), (DFlashProposer(random_drafter, smol), 8)):
+        states = []
+        steps = list(generate_steps(smol, proposer, reqs, block, states, batch_size=3))
+        assert smol.model.layers[0].self_attn.cache.k.shape[0] == 3
+        emitted = {}
+        for step in steps:
+            for i, ids in step.new_ids.items():
+                emitted.setdefault(i, []).extend(ids)
+        for i, req in enumerate(reqs):
+            alone = []
+            list(generate_steps(smol, Proposer(), [req], 1, alone))
+            assert emitted[i] == states[i].output_ids  # streamed tokens == final tokens
+            assert_same_or_tie(hf_smol, req.prompt_ids, states[i].output_ids, alone[0].output_ids,
+                               f"{proposer.name} request {i}")

@@ -28,12 +28,14 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int):
-        """Store k/v [B, KV, T, D] at positions [B, T]; return the first `used` slots."""
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.k.transpose(1, 2)[rows, positions] = k.transpose(1, 2)
-        self.v.transpose(1, 2)[rows, positions] = v.transpose(1, 2)
-        return self.k[:, :, :used], self.v[:, :, :used]
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice):
+        """Store k/v [B, KV, T, D] of batch rows `rows` at positions [B, T]; return
+        those rows' first `used` slots."""
+        index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        kc, vc = self.k[rows], self.v[rows]  # views: writes land in the cache
+        kc.transpose(1, 2)[index, positions] = k.transpose(1, 2)
+        vc.transpose(1, 2)[index, positions] = v.transpose(1, 2)
+        return kc[:, :, :used], vc[:, :, :used]
 
 
 class Attention(nn.Module):
@@ -52,7 +54,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, positions, mask, used):
+    def forward(self, x, cos, sin, positions, mask, used, rows):
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(
             [self.heads, self.kv_heads, self.kv_heads], dim=2)
@@ -60,7 +62,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        k, v = self.cache.write(positions, k, v.transpose(1, 2), used)
+        k, v = self.cache.write(positions, k, v.transpose(1, 2), used, rows)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -99,8 +101,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask, used):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, used)
+    def forward(self, x, cos, sin, positions, mask, used, rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, used, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,8 +154,10 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: tuple[int, ...] = ()):
-        """Run tokens [B, T] at absolute positions [B, T] through the model, updating the caches.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: tuple[int, ...] = (),
+                rows: slice = slice(None)):
+        """Run tokens [B, T] at absolute positions [B, T] through the model, updating the caches
+        of batch rows `rows` (all by default; a slice lets one sequence be prefilled alone).
 
         Returns the final-norm hidden states [B, T, H] (apply `logits` to the rows you need)
         and, if `capture` names layers, their outputs concatenated as [B, T, len(capture)*H]
@@ -165,7 +169,7 @@ class Transformer(nn.Module):
         mask = self._mask(positions, used)
         captured = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, mask, used)
+            x = layer(x, cos, sin, positions, mask, used, rows)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
