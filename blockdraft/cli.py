@@ -1,4 +1,4 @@
-"""`blockdraft` command line: generate | demo (train, bench, serve and export arrive later)."""
+"""`blockdraft` command line: generate | demo | data regenerate | train (bench, serve and export arrive later)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,51 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_data_regenerate(args) -> int:
+    from .engine import Engine
+    from .train.data import regenerate
+
+    engine = Engine.load(args.target, args.draft, use_draft=args.method != "ar")
+    n = regenerate(engine, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                   max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                   temperature=args.temperature, top_p=args.top_p, method=args.method)
+    print(f"regenerate: wrote {n} samples to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_train_args(p: argparse.ArgumentParser):
+    """One flag per TrainConfig field (--block-size, --num-anchors, ...), defaults from the dataclass."""
+    import dataclasses
+
+    from .train.trainer import TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        kind = str(f.type)
+        if "list" in kind:
+            p.add_argument(flag, type=int, nargs="+", default=f.default)
+        elif "float" in kind:
+            p.add_argument(flag, type=float, default=None if required else f.default, required=required)
+        elif "int" in kind:
+            p.add_argument(flag, type=int, default=None if required else f.default, required=required)
+        else:
+            p.add_argument(flag, default=None if required else f.default, required=required)
+
+
+def cmd_train(args) -> int:
+    import dataclasses
+
+    from .train.trainer import TrainConfig, Trainer
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    Trainer(cfg, resume=args.resume).run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +147,25 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--target")
     d.add_argument("--draft")
     d.set_defaults(func=cmd_demo)
+
+    data = sub.add_parser("data", help="training data").add_subparsers(dest="data_command", required=True)
+    r = data.add_parser("regenerate", help="answer ShareGPT prompts with the target (resumable)")
+    r.add_argument("--out", required=True, help="folder of JSON-lines shards (resumes what is there)")
+    r.add_argument("--limit", type=int, help="use the first N usable prompts (default: all)")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
+    r.add_argument("--batch-size", type=int, default=16, help="concurrent sequences (continuous batching)")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
+    r.add_argument("--target")
+    r.add_argument("--draft")
+    r.set_defaults(func=cmd_data_regenerate)
+
+    t = sub.add_parser("train", help="train a DFlash drafter on regenerated data (torchrun for DDP)")
+    _add_train_args(t)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint, bit for bit")
+    t.set_defaults(func=cmd_train)
 
     args = parser.parse_args(argv)
     try:

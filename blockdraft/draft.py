@@ -236,6 +236,20 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # DFlash injects the context into every layer. "input" (an ablation, blockdraft-only
+        # checkpoints) gives it to the first layer alone, like feeding it at the input.
+        mode = cfg.extra.get("blockdraft", {}).get("context_mode", "kv")
+        self.context_layers = cfg.num_hidden_layers if mode == "kv" else 1
+
+    def reset_parameters(self, std: float = 0.02):
+        """The initialisation used for training: N(0, std) projections, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.ones_(p)
+            elif p.dim() == 2:
+                torch.nn.init.normal_(p, std=std)
+            else:
+                torch.nn.init.zeros_(p)
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
                 context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,
@@ -266,6 +280,10 @@ class DFlashDrafter(nn.Module):
             mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, 1, t, t)], dim=-1)
         x = noise_embedding
         for i, layer in enumerate(self.layers):
+            if i >= self.context_layers:  # this layer sees its block only
+                empty = x.new_zeros(x.shape[0], layer.self_attn.kv_heads, 0, layer.self_attn.head_dim)
+                x = layer(x, cos, sin, empty, empty, mask[..., mask.shape[-1] - x.shape[1]:])
+                continue
             if cache is None:
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
             else:
@@ -280,7 +298,7 @@ class DFlashDrafter(nn.Module):
         fused = self.hidden_norm(self.fc(context))
         cos, sin = self.rotary(positions, fused.dtype)
         index = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[: self.context_layers]):
             k, v = layer.self_attn.keys_values(fused, cos, sin)
             cache.k[i, rows].transpose(1, 2)[index, positions] = k.transpose(1, 2)
             cache.v[i, rows].transpose(1, 2)[index, positions] = v.transpose(1, 2)

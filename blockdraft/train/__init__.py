@@ -1,0 +1,1 @@
+"""Training DFlash drafters: data regeneration, anchors and masks, the trainer."""

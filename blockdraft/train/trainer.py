@@ -1,0 +1,293 @@
+"""`blockdraft train`: the open DFlash training recipe, nanoGPT style.
+
+One flat loop: a batch of (prompt, regenerated answer) sequences goes through the
+frozen target under no-grad, capturing the context features; random anchors inside
+the answers open blocks; the drafter denoises every block in one masked forward; a
+chunked LM head (the target's, frozen) gives the weighted cross-entropy. AdamW,
+warmup + cosine, gradient clipping. Distributed data parallel is switched on by
+torchrun's environment alone (gloo on CPU, NCCL on CUDA). Every random choice is a
+function of (seed, step, rank), so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..decode import Request, generate_steps
+from ..draft import DFlashDrafter, DraftConfig, loss_decay_gamma
+from ..errors import BlockdraftError
+from ..models import load_target
+from ..proposers import DFlashProposer
+from .blocks import IGNORE, build_blocks
+from .data import iter_samples
+
+
+@dataclass
+class TrainConfig:
+    data: str  # folder of regenerated shards
+    out: str  # run folder: checkpoint/, drafter/, metrics.jsonl
+    target: str | None = None  # default: the default target
+    block_size: int = 8
+    num_layers: int = 3
+    target_layer_ids: list[int] | None = None  # default: the published formula
+    mask_token_id: int | None = None  # default: the default target's
+    num_anchors: int = 32  # blocks per sequence
+    anchor_mode: str = "random"  # random | fixed (block boundaries, for the ablation)
+    gamma: float | None = None  # loss decay; None: the recipe's value for the block size; 0: no decay
+    context_mode: str = "kv"  # kv (inject in every layer) | input (first layer only, for the ablation)
+    batch_size: int = 4  # sequences per step per process
+    max_seq_len: int = 512
+    max_steps: int = 1000
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 64
+    save_every: int = 100
+    log_every: int = 10
+    lm_head_chunk: int = 1024
+    limit_samples: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    warmup = max(1, int(cfg.warmup_frac * cfg.max_steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.max_steps - warmup)
+    floor = cfg.lr * cfg.min_lr_frac
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk):
+    """Chunked LM head + weighted cross-entropy over labelled block positions.
+
+    Returns (loss, per-offset correct counts, per-offset totals)."""
+    keep = labels != IGNORE
+    h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
+    total = h.new_zeros(())
+    correct = torch.zeros(block_size, dtype=torch.long)
+    count = torch.bincount(k, minlength=block_size)
+    for s in range(0, h.shape[0], chunk):
+        def part(hc, yc=y[s:s + chunk]):
+            logits = F.linear(hc, lm_head_weight)
+            return F.cross_entropy(logits.float(), yc, reduction="none"), logits.argmax(-1)
+        ce, pred = torch.utils.checkpoint.checkpoint(part, h[s:s + chunk], use_reentrant=False)
+        total = total + (ce * w[s:s + chunk]).sum()
+        correct += torch.bincount(k[s:s + chunk][pred == y[s:s + chunk]], minlength=block_size)
+    return total / w.sum().clamp(min=1e-6), correct, count
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg = cfg
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.out = Path(cfg.out)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        from ..models.default import DEFAULT_MASK_TOKEN_ID, default_target_dir
+
+        target_dir = Path(cfg.target) if cfg.target else default_target_dir()
+        self.target = load_target(target_dir, self.device, self.dtype).requires_grad_(False)
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
+        draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
+                                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                           target_layer_ids=cfg.target_layer_ids)
+        draft_cfg.extra = {"blockdraft": {"context_mode": cfg.context_mode}} if cfg.context_mode != "kv" else {}
+        self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
+        self.samples = self._load_samples()
+        self.step = 0
+        torch.manual_seed(cfg.seed)
+        self.drafter = DFlashDrafter(draft_cfg).to(self.device)
+        self.drafter.reset_parameters()
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay)
+        if resume and (self.out / "checkpoint" / "state.json").is_file():
+            self._load_checkpoint()
+        self.model = self.drafter
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(self.drafter)
+
+    # ---- data ------------------------------------------------------------------------
+
+    def _load_samples(self):
+        cfg = self.cfg
+        if not Path(cfg.data).is_dir():
+            raise BlockdraftError(f"training data folder not found: {cfg.data} (make it with `blockdraft data regenerate`)")
+        train, valid = [], []
+        for s in iter_samples(cfg.data):
+            seq = (s["prompt_ids"] + s["answer_ids"])[: cfg.max_seq_len]
+            item = (seq, len(s["prompt_ids"]), s)
+            (valid if s["split"] == "valid" else train).append(item)
+        train = [t for t in train if len(t[0]) - t[1] >= 2]
+        if cfg.limit_samples:
+            train = train[: cfg.limit_samples]
+        if not train:
+            raise BlockdraftError(f"{cfg.data}: no training samples")
+        self.valid = valid
+        return train
+
+    def batch_indices(self, step: int) -> list[int]:
+        """This process's sequences at `step`: a fresh permutation per epoch, from the seed."""
+        n, per_step = len(self.samples), self.cfg.batch_size * self.world
+        out = []
+        for j in range(per_step):
+            g_index = step * per_step + j
+            epoch, pos = divmod(g_index, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
+            out.append(int(perm[pos]))
+        return out[self.rank::self.world]
+
+    # ---- one step --------------------------------------------------------------------
+
+    def batch_at(self, step: int):
+        """This process's blocks at `step` (anchors drawn from a generator seeded by step and rank)."""
+        cfg = self.cfg
+        idx = self.batch_indices(step)
+        gen = torch.Generator().manual_seed((cfg.seed * 7919 + step) * 131 + self.rank)
+        return build_blocks([self.samples[i][0] for i in idx], [self.samples[i][1] for i in idx],
+                            block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                            mask_token_id=cfg.mask_token_id, gamma=self.gamma, generator=gen,
+                            anchor_mode=cfg.anchor_mode)
+
+    def train_step(self):
+        cfg = self.cfg
+        batch = self.batch_at(self.step)
+        hidden = self.block_hidden(batch)
+        dev = self.device
+        loss, correct, count = weighted_loss(hidden, self.target.lm_head.weight, batch.labels.to(dev),
+                                             batch.weights.to(dev), batch.offsets.to(dev), cfg.block_size,
+                                             cfg.lm_head_chunk)
+        lr = lr_at(cfg, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return {"step": self.step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm),
+                "acc": [round(float(c) / max(1, int(t)), 4) for c, t in zip(correct.cpu(), count.cpu())][1:],
+                "tokens": int(batch.lengths.sum())}
+
+    def block_hidden(self, batch) -> torch.Tensor:
+        """The drafter's hidden states for every block of a batch, in one masked forward,
+        conditioned on the target's features captured under no-grad."""
+        dev = self.device
+        tokens = batch.tokens.to(dev)
+        n, width = tokens.shape
+        with torch.no_grad():
+            self.target.ensure_caches(n, width)
+            positions = torch.arange(width, device=dev).expand(n, -1)
+            _, features = self.target(tokens, positions, tuple(self.drafter.config.target_layer_ids))
+            noise = self.target.embed(batch.block_tokens.to(dev))
+        return self.model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev))
+
+    # ---- evaluation ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate_tau(self) -> float:
+        """τ of the current drafter in the real decode loop, greedy, on held-out prompts."""
+        pool = self.valid or self.samples
+        prompts = [s[2]["prompt_ids"] for s in pool[: self.cfg.eval_prompts]]
+        self.drafter.eval()
+        reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=(2,)) for p in prompts]
+        states = []
+        proposer = DFlashProposer(self.drafter, self.target)
+        for _ in generate_steps(self.target, proposer, reqs, self.cfg.block_size, states):
+            pass
+        self.drafter.train()
+        lengths = [a for s in states for a in s.acceptance_lengths]
+        return sum(lengths) / max(1, len(lengths))
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def save_checkpoint(self):
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".checkpoint.", dir=self.out))
+        self.drafter.save(tmp / "drafter")
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.cfg)}, indent=2))
+        final = self.out / "checkpoint"
+        old = None
+        if final.exists():
+            old = self.out / f".checkpoint.old.{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _load_checkpoint(self):
+        ck = self.out / "checkpoint"
+        state = json.loads((ck / "state.json").read_text())
+        saved = {k: v for k, v in state["config"].items() if k not in ("max_steps", "eval_every", "save_every")}
+        now = {k: v for k, v in asdict(self.cfg).items() if k not in ("max_steps", "eval_every", "save_every")}
+        if saved != now:
+            diff = sorted(k for k in now if saved.get(k) != now[k])
+            raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
+        loaded = DFlashDrafter.load(ck / "drafter", self.device, torch.float32)
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
+        self.step = state["step"]
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def log(self, record: dict):
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self):
+        cfg = self.cfg
+        if self.rank == 0:
+            n_params = sum(p.numel() for p in self.drafter.parameters())
+            print(f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
+                  f"block {cfg.block_size}, {cfg.num_layers} layers, layers {self.drafter.config.target_layer_ids}, "
+                  f"{self.world} process(es), from step {self.step}", file=sys.stderr)
+        self.drafter.train()
+        t0, seen = time.perf_counter(), 0
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
+        while self.step < cfg.max_steps:
+            record = self.train_step()
+            seen += record["tokens"]
+            record["elapsed"] = time.perf_counter() - t0
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc'][0]:.2f}")
+            if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                record["tau"] = self.evaluate_tau()
+                bar.write(f"step {self.step}: loss {record['loss']:.3f}, tau {record['tau']:.2f}")
+            if self.step % cfg.log_every == 0 or "tau" in record:
+                self.log(record)
+            if self.step % cfg.save_every == 0 or self.step == cfg.max_steps:
+                self.save_checkpoint()
+                if self.world > 1:
+                    torch.distributed.barrier()
+        bar.close()
+        if self.rank == 0:
+            self.drafter.save(self.out / "drafter")
+        if self.world > 1:
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,193 @@
+"""Training: anchors and masks, train/inference consistency, resume after SIGKILL, DDP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import blockdraft.train.blocks as blocks_mod
+from blockdraft.decode import Request, generate_steps
+from blockdraft.draft import DFlashDrafter
+from blockdraft.models import load_target
+from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.train.blocks import IGNORE, build_blocks
+from blockdraft.train.trainer import TrainConfig, Trainer
+
+from .conftest import save_tiny_hf
+
+VOCAB, MASK = 97, 96
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    """A tiny random target and its own greedy answers to 16 random prompts."""
+    root = tmp_path_factory.mktemp("train")
+    hf = save_tiny_hf("llama", root / "target", vocab_size=VOCAB, num_hidden_layers=4)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8)
+    hf.save_pretrained(str(root / "target"))
+    target = load_target(root / "target")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, MASK, (int(torch.randint(5, 10, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(16)]
+    states = []
+    list(generate_steps(target, Proposer(), [Request(p, 40) for p in prompts], 1, states))
+    (root / "data").mkdir()
+    with open(root / "data" / "shard-00000.jsonl", "w") as f:
+        for i, (p, s) in enumerate(zip(prompts, states)):
+            f.write(json.dumps({"id": f"t/{i}", "split": "train", "prompt": "", "prompt_ids": p,
+                                "answer_ids": s.output_ids, "finish_reason": s.finish_reason}) + "\n")
+    return root, target, prompts, [s.output_ids for s in states]
+
+
+def tiny_config(root, out, **kw):
+    base = dict(data=str(root / "data"), out=str(out), target=str(root / "target"), block_size=4, num_layers=2,
+                mask_token_id=MASK, num_anchors=12, target_layer_ids=[3], batch_size=4, max_seq_len=64, max_steps=20, lr=3e-3,
+                warmup_frac=0.05, eval_every=10_000, eval_prompts=4, eval_max_new_tokens=24, save_every=5,
+                log_every=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_blocks_follow_the_recipe():
+    seq = list(range(10, 30))  # prompt 10..14, answer from position 5
+    b = build_blocks([seq], [5], block_size=4, num_anchors=3, mask_token_id=MASK, gamma=4.0,
+                     generator=torch.Generator().manual_seed(0))
+    width = len(seq)
+    for j in range(3):
+        rows = slice(4 * j, 4 * j + 4)
+        a = int(b.block_positions[0, 4 * j])
+        assert 5 <= a <= len(seq) - 2
+        assert b.block_tokens[0, rows].tolist() == [seq[a], MASK, MASK, MASK]
+        assert b.block_positions[0, rows].tolist() == [a, a + 1, a + 2, a + 3]
+        assert b.labels[0, 4 * j] == IGNORE
+        for k in range(1, 4):  # same-position labels, no shift
+            assert b.labels[0, 4 * j + k] in (seq[a + k] if a + k < len(seq) else IGNORE,)
+        assert b.weights[0, 4 * j + 1: 4 * j + 4].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
+        m = b.mask[0, 0, 4 * j]
+        assert m[:width].tolist() == [p < a for p in range(width)]  # context strictly before the anchor
+        own = m[width:].view(3, 4)
+        assert own[j].all() and own.sum() == 4  # its own block, never another
+
+
+def check_forward_consistency(trainer):
+    """Every block's hidden states from the masked training forward equal those of the
+    decode loop's cached forward, where the target has processed exactly x_0..x_{a-1}."""
+    batch = trainer.batch_at(0)
+    with torch.no_grad():
+        train_hidden = trainer.block_hidden(batch)
+    target, drafter, bs = trainer.target, trainer.drafter, trainer.cfg.block_size
+    checked = 0
+    for i in range(batch.tokens.shape[0]):
+        seq = batch.tokens[i, : int(batch.lengths[i])].tolist()
+        for j in range(batch.block_tokens.shape[1] // bs):
+            rows = slice(j * bs, (j + 1) * bs)
+            if (batch.labels[i, rows] == IGNORE).all():
+                continue
+            a = int(batch.block_positions[i, j * bs])
+            proposer = DFlashProposer(drafter, target)
+            proposer.reset(1, a + bs)
+            target.setup_caches(1, a + bs)
+            with torch.no_grad():
+                pos = torch.arange(a)[None]
+                _, feats = target(torch.tensor([seq[:a]]), pos, proposer.capture_layers)
+                proposer.observe(None, feats, pos)
+                proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), bs - 1)  # writes the context
+                block = torch.tensor([[seq[a]] + [MASK] * (bs - 1)])
+                dec = drafter(target.embed(block), torch.arange(a, a + bs)[None], cache=proposer.cache)
+            torch.testing.assert_close(train_hidden[i, rows], dec[0], atol=2e-5, rtol=1e-4)
+            checked += 1
+    assert checked >= 8
+
+
+class LabelProposer(DFlashProposer):
+    """Drafts exactly the training labels of a block anchored at the current position."""
+
+    def __init__(self, drafter, target, label_of):
+        super().__init__(drafter, target)
+        self.label_of = label_of
+
+    def propose(self, last_tokens, positions, n):
+        super().propose(last_tokens, positions, n)
+        return torch.tensor([self.label_of(int(positions[0]), n)])
+
+
+def check_label_consistency(trainer, corpus_prompts, corpus_answers):
+    """Drafting a block's training labels in the real decode loop gets it fully accepted."""
+    cfg = trainer.cfg
+    for p, ans in list(zip(corpus_prompts, corpus_answers))[:4]:
+        seq = p + ans
+        batch = build_blocks([seq], [len(p)], block_size=cfg.block_size, num_anchors=len(seq),
+                             mask_token_id=MASK, gamma=None, generator=torch.Generator().manual_seed(0))
+        labels = {int(batch.block_positions[0, j]): batch.labels[0, j + 1: j + cfg.block_size].tolist()
+                  for j in range(0, batch.block_tokens.shape[1], cfg.block_size)}
+
+        def label_of(a, n):
+            got = labels.get(a, [IGNORE] * n)
+            return [t if t != IGNORE else 0 for t in got]
+
+        states = []
+        proposer = LabelProposer(trainer.drafter, trainer.target, label_of)
+        list(generate_steps(trainer.target, proposer, [Request(p, len(ans))], cfg.block_size, states))
+        assert states[0].output_ids == ans
+        full = states[0].acceptance_lengths[:-1]  # the last block may run past the answer
+        assert full and set(full) == {cfg.block_size}, f"training labels not accepted: {full}"
+
+
+def test_training_and_decoding_see_the_same_blocks(tiny_corpus, tmp_path):
+    root, _, prompts, answers = tiny_corpus
+    trainer = Trainer(tiny_config(root, tmp_path / "run"))
+    check_forward_consistency(trainer)
+    check_label_consistency(trainer, prompts, answers)
+
+
+def buggy_blocks(bug):
+    right = blocks_mod.build_blocks
+
+    def build(*args, **kw):
+        b = right(*args, **kw)
+        block = int(b.offsets.max()) + 1
+        if bug == "labels shifted by one":
+            b.labels = torch.cat([b.labels[:, 1:], torch.full_like(b.labels[:, :1], IGNORE)], dim=1)
+            b.labels[b.offsets == 0] = IGNORE
+        else:  # `<=` instead of `<`: each block also sees the context feature AT its anchor
+            for i in range(b.mask.shape[0]):
+                for j in range(b.mask.shape[2] // block):
+                    rows = slice(j * block, (j + 1) * block)
+                    if (b.labels[i, rows] != IGNORE).any():
+                        b.mask[i, 0, rows, int(b.block_positions[i, j * block])] = True
+        return b
+    return build
+
+
+@pytest.mark.parametrize("bug", ["labels shifted by one", "context visible at the anchor"])
+def test_the_consistency_checks_catch_the_classic_bugs(tiny_corpus, tmp_path, monkeypatch, bug):
+    import blockdraft.train.trainer as trainer_mod
+
+    root, _, prompts, answers = tiny_corpus
+    monkeypatch.setattr(trainer_mod, "build_blocks", buggy_blocks(bug))
+    monkeypatch.setattr(sys.modules[__name__], "build_blocks", buggy_blocks(bug))
+    trainer = Trainer(tiny_config(root, tmp_path / "run"))
+    with pytest.raises(AssertionError):
+        check_forward_consistency(trainer)
+        check_label_consistency(trainer, prompts, answers)
+
+
+@pytest.mark.slow
+def test_overfit_drafter_accepts_nearly_whole_blocks_in_the_real_decode_loop(tiny_corpus, tmp_path):
+    root, _, prompts, _ = tiny_corpus
+    cfg = tiny_config(root, tmp_path / "run", max_steps=200, save_every=10_000, log_every=50)
+    trainer = Trainer(cfg)
+    trainer.run()
+    drafter = DFlashDrafter.load(tmp_path / "run" / "drafter")
+    states = []
+    reqs = [Request(p, 32) for p in prompts[:8]]
+    list(generate_steps(trainer.target, DFlashProposer(drafter, trainer.target), reqs, 4, states))
+    lengths = [a for s in states for a in s.acceptance_lengths]
+    tau = sum(lengths) / len(lengths)
+    assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
