@@ -191,3 +191,58 @@ def test_overfit_drafter_accepts_nearly_whole_blocks_in_the_real_decode_loop(tin
     lengths = [a for s in states for a in s.acceptance_lengths]
     tau = sum(lengths) / len(lengths)
     assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
+
+
+def train_cli(root, out, *extra, nproc=1):
+    args = ["--data", str(root / "data"), "--out", str(out), "--target", str(root / "target"), "--block-size", "4",
+            "--num-layers", "1", "--mask-token-id", str(MASK), "--num-anchors", "6", "--batch-size", "2",
+            "--max-steps", "12", "--save-every", "3", "--log-every", "1", "--eval-every", "1000",
+            "--eval-prompts", "2", "--eval-max-new-tokens", "8", *extra]
+    runner = [sys.executable, "-m", "blockdraft"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29517",
+        "-m", "blockdraft"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*runner, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def drafter_weights(folder):
+    return DFlashDrafter.load(folder).state_dict()
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_corpus, tmp_path):
+    root = tiny_corpus[0]
+    straight = train_cli(root, tmp_path / "straight")
+    assert straight.wait(timeout=600) == 0, straight.stderr.read()
+    killed = train_cli(root, tmp_path / "killed")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:  # let it pass a checkpoint or two, then kill it mid-run
+        if metrics.is_file() and any(json.loads(l)["step"] >= 7 for l in metrics.read_text().splitlines() if l):
+            break
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    state = json.loads((tmp_path / "killed" / "checkpoint" / "state.json").read_text())
+    assert 3 <= state["step"] < 12
+    resumed = train_cli(root, tmp_path / "killed", "--resume")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+    a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "killed" / "drafter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 13))  # no step lost or logged twice
+
+
+@pytest.mark.slow
+def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
+    root = tiny_corpus[0]
+    proc = train_cli(root, tmp_path / "ddp", nproc=2)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "2 process(es)" in err and "2 processes in sync" in err
+    records = [json.loads(l) for l in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "tau" in records[-1] and records[-1]["tau"] >= 1.0

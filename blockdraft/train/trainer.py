@@ -249,6 +249,10 @@ class Trainer:
         self.drafter.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
         self.step = state["step"]
+        metrics = self.out / "metrics.jsonl"
+        if self.rank == 0 and metrics.is_file():  # drop records of steps the checkpoint does not hold
+            kept = [l for l in metrics.read_text().splitlines() if l and json.loads(l)["step"] <= self.step]
+            metrics.write_text("".join(l + "\n" for l in kept))
 
     # ---- the loop --------------------------------------------------------------------
 
@@ -287,6 +291,14 @@ class Trainer:
                 if self.world > 1:
                     torch.distributed.barrier()
         bar.close()
+        if self.world > 1:  # DDP must leave every process with the same weights
+            flat = torch.cat([p.detach().flatten() for p in self.drafter.parameters()])
+            sums = [torch.zeros(2) for _ in range(self.world)]
+            torch.distributed.all_gather(sums, torch.stack([flat.sum(), (flat * flat).sum()]).cpu().float())
+            if any(not torch.equal(sums[0], x) for x in sums[1:]):
+                raise RuntimeError("DDP processes ended with different weights")
+            if self.rank == 0:
+                print(f"train: {self.world} processes in sync", file=sys.stderr)
         if self.rank == 0:
             self.drafter.save(self.out / "drafter")
         if self.world > 1:
