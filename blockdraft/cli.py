@@ -1,4 +1,4 @@
-"""`blockdraft` command line: generate | demo | data regenerate | train (bench, serve and export arrive later)."""
+"""`blockdraft` command line: generate | demo | data regenerate | train | bench (serve and export arrive later)."""
 
 from __future__ import annotations
 
@@ -129,6 +129,20 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench.runner import bench_command
+
+    methods = args.methods.split(",")
+    engine = _load_engine(args, "dflash" if any(m.startswith("dflash") for m in methods) else "ar")
+    report = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
+                           max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only)
+    for name, r in report["methods"].items():
+        speed = f", {r['speedup_vs_ar']:.2f}x vs ar" if r.get("speedup_vs_ar") else ""
+        print(f"{name:12s} tau {r['tau']:.2f}  {r['tokens_per_second']:.1f} tok/s{speed}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_args(t)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint, bit for bit")
     t.set_defaults(func=cmd_train)
+
+    b = sub.add_parser("bench", help="compare methods side by side (tau, tokens/s, speedup)")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="humaneval | mtbench | sharegpt-valid")
+    src.add_argument("--prompts", help='JSON lines {"turns": [...]}')
+    b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar, dflash, dflash@B")
+    b.add_argument("--max-samples", type=int)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--first-turn-only", action="store_true")
+    b.add_argument("--out", help="folder for results.json")
+    _add_model_args(b)
+    b.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

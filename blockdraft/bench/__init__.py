@@ -1,0 +1,1 @@
+"""Benchmarks: methods side by side on the same prompts, in one process."""
