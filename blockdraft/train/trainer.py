@@ -114,6 +114,7 @@ class Trainer:
         draft_cfg.extra = {"blockdraft": {"context_mode": cfg.context_mode}} if cfg.context_mode != "kv" else {}
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
         self.samples = self._load_samples()
+        self._orders: dict[int, list[int]] = {}
         self.step = 0
         torch.manual_seed(cfg.seed)
         self.drafter = DFlashDrafter(draft_cfg).to(self.device)
@@ -145,15 +146,24 @@ class Trainer:
         self.valid = valid
         return train
 
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Sample order of an epoch: a permutation from (seed, epoch), then sorted by length
+        within windows of 16 steps so a batch's sequences need little padding."""
+        if epoch not in self._orders:
+            n = len(self.samples)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch)).tolist()
+            window = 16 * self.cfg.batch_size * self.world
+            self._orders = {epoch: [i for w in range(0, n, window)
+                                    for i in sorted(perm[w:w + window], key=lambda i: len(self.samples[i][0]))]}
+        return self._orders[epoch]
+
     def batch_indices(self, step: int) -> list[int]:
-        """This process's sequences at `step`: a fresh permutation per epoch, from the seed."""
+        """This process's sequences at `step`."""
         n, per_step = len(self.samples), self.cfg.batch_size * self.world
         out = []
         for j in range(per_step):
-            g_index = step * per_step + j
-            epoch, pos = divmod(g_index, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch))
-            out.append(int(perm[pos]))
+            epoch, pos = divmod(step * per_step + j, n)
+            out.append(self.epoch_order(epoch)[pos])
         return out[self.rank::self.world]
 
     # ---- one step --------------------------------------------------------------------
