@@ -12,7 +12,6 @@ The CLI, the benchmark and the server all go through this class.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from .decode import Request, SequenceState, generate_steps
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
-from .models import Transformer, load_target, load_tokenizer
+from .models import Transformer, eos_token_ids, load_target, load_tokenizer
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
 from .proposers import DFlashProposer, Proposer
 from .sampling import SamplingParams
@@ -78,7 +77,10 @@ class Engine:
         self.draft_note = draft_note  # why there is no drafter, when there is none
         if drafter is not None:
             drafter.check_target(target.config)
-        self.stop_token_ids = _eos_ids(tokenizer, target_name)
+        eos = set(eos_token_ids(target_name)) if target_name else set()
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.stop_token_ids = sorted(eos)
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
@@ -253,14 +255,3 @@ class Engine:
             steps=len(lengths),
         )
 
-
-def _eos_ids(tokenizer, folder: str) -> list[int]:
-    ids = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(folder) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)

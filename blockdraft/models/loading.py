@@ -59,6 +59,17 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     return model.eval()
 
 
+def eos_token_ids(folder: str | Path) -> list[int]:
+    """End-of-sequence ids declared by the model folder (generation_config.json, config.json)."""
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
+
+
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 

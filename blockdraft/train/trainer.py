@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..decode import Request, generate_steps
 from ..draft import DFlashDrafter, DraftConfig, loss_decay_gamma
 from ..errors import BlockdraftError
-from ..models import load_target
+from ..models import eos_token_ids, load_target
 from ..proposers import DFlashProposer
 from .blocks import IGNORE, build_blocks
 from .data import iter_samples
@@ -106,6 +106,7 @@ class Trainer:
 
         target_dir = Path(cfg.target) if cfg.target else default_target_dir()
         self.target = load_target(target_dir, self.device, self.dtype).requires_grad_(False)
+        self.stop_token_ids = tuple(eos_token_ids(target_dir))
         if cfg.mask_token_id is None:
             cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
         draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
@@ -219,7 +220,7 @@ class Trainer:
         pool = self.valid or self.samples
         prompts = [s[2]["prompt_ids"] for s in pool[: self.cfg.eval_prompts]]
         self.drafter.eval()
-        reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=(2,)) for p in prompts]
+        reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=self.stop_token_ids) for p in prompts]
         states = []
         proposer = DFlashProposer(self.drafter, self.target)
         for _ in generate_steps(self.target, proposer, reqs, self.cfg.block_size, states):
