@@ -26,3 +26,31 @@ def test_evaluation_prompts_are_recognised_for_exclusion():
     assert contaminated("Please help: " + humaneval()[3]["turns"][0], fps)
     assert contaminated(mtbench()[5]["turns"][0].upper(), fps)
     assert not contaminated("Write a poem about autumn leaves falling in the park.", fps)
+
+
+def test_regeneration_resumes_without_losing_or_duplicating(tmp_path):
+    import json
+
+    import pytest
+
+    from blockdraft import Engine
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.train.data import iter_samples, regenerate
+
+    engine = Engine.load(use_draft=False)
+    assert regenerate(engine, tmp_path, limit=2, max_new_tokens=4, batch_size=2) == 2
+    shard = next(tmp_path.glob("shard-*.jsonl"))
+    with open(shard, "a") as f:  # a writer killed mid-line
+        f.write('{"id": "sharegpt/torn", "prom')
+    assert regenerate(engine, tmp_path, limit=4, max_new_tokens=4, batch_size=2) == 2
+    samples = list(iter_samples(tmp_path))
+    ids = [s["id"] for s in samples]
+    assert len(ids) == 4 == len(set(ids)) and "sharegpt/torn" not in ids
+    first = samples[0]
+    assert first["answer_ids"] == engine.generate(first["prompt_ids"], method="ar", max_new_tokens=4).token_ids
+    assert json.loads(shard.read_text().splitlines()[-1])["id"] == ids[-1]
+    with open(tmp_path / ".lock", "w") as lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(BlockdraftError, match="another `data regenerate`"):
+            regenerate(engine, tmp_path, limit=5, max_new_tokens=4)

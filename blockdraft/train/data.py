@@ -8,6 +8,7 @@ written twice.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from ..datasets import contaminated, eval_fingerprints, is_validation, iter_sharegpt
 from ..decode import Request, generate_steps
+from ..errors import BlockdraftError
 from ..sampling import SamplingParams
 
 SHARD_SIZE = 2000
@@ -100,6 +102,11 @@ def regenerate(engine, out_dir: str | Path, *, limit: int | None = None, max_new
     """Answer ShareGPT prompts with the target; returns how many samples were written now."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "w")
+    try:  # two writers on one folder would answer the same prompts twice
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise BlockdraftError(f"another `data regenerate` is writing to {out}") from None
     done = {s["id"] for s in repair_and_read(out)}
     prompts = sharegpt_prompts(engine.tokenizer, max_prompt_tokens, limit)
     todo = [p for p in prompts if p["id"] not in done]
@@ -130,6 +137,7 @@ def regenerate(engine, out_dir: str | Path, *, limit: int | None = None, max_new
     finally:
         bar.close()
         writer.close()
+        lock.close()
     return written
 
 
