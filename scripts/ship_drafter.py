@@ -45,7 +45,6 @@ def main():
         taus[dataset] = json.loads((out / "results.json").read_text())["methods"]["dflash"]["tau"]
 
     curve = [(m["step"], m["tau"]) for m in metrics if "tau" in m]
-    tokens = sum(m["tokens"] for m in metrics if "tokens" in m and m.get("step", 0) % cfg["log_every"] == 0)
     wall = max(m["elapsed"] for m in metrics)
     n_params = sum(p.numel() for p in drafter.parameters())
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct
