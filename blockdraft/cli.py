@@ -1,4 +1,4 @@
-"""`blockdraft` command line: generate | demo | data regenerate | train | bench (serve and export arrive later)."""
+"""`blockdraft` command line: generate | demo | data regenerate | train | bench | serve."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _load_engine(args, method: str):
     from .engine import Engine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype, use_draft=method != "ar")
+    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype, use_draft=method.startswith("dflash"))
 
 
 def _sampling_kwargs(args) -> dict:
@@ -134,12 +134,44 @@ def cmd_bench(args) -> int:
 
     methods = args.methods.split(",")
     engine = _load_engine(args, "dflash" if any(m.startswith("dflash") for m in methods) else "ar")
-    report = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
-                           max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only)
-    for name, r in report["methods"].items():
-        speed = f", {r['speedup_vs_ar']:.2f}x vs ar" if r.get("speedup_vs_ar") else ""
-        print(f"{name:12s} tau {r['tau']:.2f}  {r['tokens_per_second']:.1f} tok/s{speed}")
+    reports = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
+                            max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
+                            repeats=args.repeats, check_distribution=args.check_distribution)
+    for dataset, report in reports.items():
+        print(f"== {dataset} ({report['num_prompts']} prompts)")
+        for name, r in report["methods"].items():
+            tau = f"tau {r['tau']:.2f}" if r["tau"] else "tau  -  "
+            speed = f", {r['speedup_vs_ar']:.2f}x vs ar" if r.get("speedup_vs_ar") else ""
+            bound = f" (bound {r['speedup_bound']:.2f}x)" if r.get("speedup_bound") else ""
+            print(f"{name:14s} {tau}  {r['tokens_per_second']:6.1f} tok/s{speed}{bound}")
+        for name, checks in (report.get("distribution_check") or {}).items():
+            ok = all(c["same_distribution"] for c in checks)
+            print(f"{name}: T>0 token distribution {'matches' if ok else 'DIFFERS from'} ar")
+    if args.out:
+        print(f"wrote {args.out}/report.md", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    import uvicorn
+
+    from .serve.app import Server, create_app
+
+    engine = _load_engine(args, args.method)
+    name = args.served_model_name or os.path.basename(str(engine.target_name).rstrip("/"))
+    api_key = args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
+    server = Server(engine, model_name=name, method=args.method, max_batch=args.max_batch,
+                    max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
+                    block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
+                    max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)
+    print(f"serve: {name} with {args.method}"
+          + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
+          + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.shutdown_grace) + 1)
     return 0
 
 
@@ -149,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=["dflash", "ar"], default="dflash")
+    g.add_argument("--method", choices=["dflash", "ar", "lookup"], default="dflash",
+                   help="dflash (the drafter), ar (no speculation), lookup (prompt n-gram drafts)")
     g.add_argument("--json", action="store_true", help="print one JSON object (the stable contract)")
     _add_model_args(g)
     _add_sampling_args(g)
@@ -183,16 +216,42 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="compare methods side by side (tau, tokens/s, speedup)")
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", help="humaneval | mtbench | sharegpt-valid")
+    src.add_argument("--dataset", help="humaneval | mtbench | sharegpt-valid (comma-separated for several)")
     src.add_argument("--prompts", help='JSON lines {"turns": [...]}')
-    b.add_argument("--methods", default="ar,dflash", help="comma-separated: ar, dflash, dflash@B")
+    b.add_argument("--methods", default="ar,dflash",
+                   help="comma-separated: ar, hf, hf-lookup[@B], lookup[@B], dflash[@B]")
+    b.add_argument("--repeats", type=int, default=1, help="runs of every prompt per method (medians, spread)")
+    b.add_argument("--check-distribution", type=int, default=0, metavar="N",
+                   help="with N > 0: compare the first tokens of N seeded samples per method with ar's (T=1 "
+                        "unless --temperature is set)")
     b.add_argument("--max-samples", type=int)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--first-turn-only", action="store_true")
-    b.add_argument("--out", help="folder for results.json")
+    b.add_argument("--out", help="folder for results.json, report.md and plots")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--method", choices=["dflash", "ar", "lookup"], default="dflash",
+                   help="ar: no speculation; lookup: prompt n-gram drafts")
+    s.add_argument("--block-size", type=int, help="largest verified block (default: the drafter's trained size)")
+    s.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: each step's block size follows the running batch size, by measured speed")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond the batch; more get 429")
+    s.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per request")
+    s.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set BLOCKDRAFT_API_KEY)")
+    s.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown before they are cancelled")
+    s.add_argument("--log-level", default="warning")
+    _add_model_args(s)
+    s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     try:

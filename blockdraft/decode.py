@@ -37,6 +37,7 @@ class SequenceState:
     output_ids: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    accepted_per_step: list[tuple[int, int]] = field(default_factory=list)  # (drafts accepted, drafted)
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,8 @@ class Step:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     prefill: bool = False
+    batch: int = 0  # occupied slots this step
+    block_size: int = 0
 
 
 def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
@@ -99,6 +102,139 @@ def check_requests(target: Transformer, requests: list[Request], block_size: int
     return longest + block_size
 
 
+class DecodeLoop:
+    """A batch of `slots` sequence slots sharing the target's (and drafter's) caches.
+
+    Requests join free slots at any time (`admit` prefills them) and leave when they
+    finish or are cancelled; `step` runs one draft -> verify -> accept round over the
+    occupied slots. Rows are addressed by caller-chosen keys. Both the offline loop
+    (`generate_steps`) and the server's scheduler drive this class.
+    """
+
+    def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int):
+        if proposer.max_block_size is None:
+            block_size = 1
+        elif not 2 <= block_size <= proposer.max_block_size:
+            raise BlockdraftError(f"block size {block_size} must be between 2 and the drafter's "
+                                  f"trained block size {proposer.max_block_size}")
+        self.target, self.proposer, self.block_size = target, proposer, block_size
+        self.slots, self.max_len = slots, max_len
+        target.ensure_caches(slots, max_len)
+        proposer.reset(slots, max_len)
+        device = target.device
+        self.keys: list = [None] * slots  # the request key each slot serves (None: free)
+        self.requests: list[Request | None] = [None] * slots
+        self.states: list[SequenceState | None] = [None] * slots
+        self.params = [SamplingParams(0.0)] * slots
+        self.committed = torch.zeros(slots, dtype=torch.long, device=device)  # tokens in the target cache
+        self.pending = torch.zeros(slots, dtype=torch.long, device=device)  # last emitted token, not yet cached
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [b for b in range(self.slots) if self.keys[b] is None]
+
+    @property
+    def active(self) -> int:
+        return self.slots - len(self.free_slots)
+
+    def release(self, key) -> bool:
+        """Free the slot of `key` (finished or cancelled); False if it holds no slot."""
+        for b in range(self.slots):
+            if self.keys[b] == key:
+                self.keys[b] = self.requests[b] = self.states[b] = None
+                return True
+        return False
+
+    def admit(self, items: list[tuple]) -> dict:
+        """Prefill (key, Request, SequenceState) items into free slots; returns each key's
+        first token(s). Consecutive free slots are prefilled in one right-padded forward."""
+        free = self.free_slots
+        if len(items) > len(free):
+            raise BlockdraftError(f"{len(items)} requests for {len(free)} free slots")
+        for _, req, _ in items:
+            if len(req.prompt_ids) + req.max_new_tokens + self.block_size > self.max_len:
+                raise BlockdraftError(f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                                      f"({req.max_new_tokens}) does not fit the {self.max_len}-position cache")
+        placed = list(zip(free, items))
+        out = {}
+        run: list = []
+        for slot, item in placed + [(None, None)]:
+            if run and (slot is None or slot != run[-1][0] + 1):
+                out.update(self._prefill(run))
+                run = []
+            if slot is not None:
+                run.append((slot, item))
+        return out
+
+    def _prefill(self, run) -> dict:
+        device = self.target.device
+        first_slot, count = run[0][0], len(run)
+        rows = slice(first_slot, first_slot + count)
+        for slot, (key, req, state) in run:
+            self.keys[slot], self.requests[slot], self.states[slot], self.params[slot] = key, req, state, req.sampling
+        reqs = [item[1] for _, item in run]
+        lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=device)
+        width = int(lengths.max())
+        tokens = torch.zeros(count, width, dtype=torch.long, device=device)
+        for b, r in enumerate(reqs):
+            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        positions = torch.arange(width, device=device).expand(count, -1)
+        hidden, features = self.target(tokens, positions, self.proposer.capture_layers, rows=rows)
+        last = hidden[torch.arange(count, device=device), lengths - 1]
+        first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
+        self.proposer.observe(tokens, features, positions, rows=rows)
+        self.committed[rows], self.pending[rows] = lengths, first
+        return {key: _emit(req, state, [int(t)]) for (_, (key, req, state)), t in zip(run, first.tolist())}
+
+    def step(self, block_size: int | None = None) -> Step:
+        """One draft -> verify -> accept round over slots 0..last occupied (free slots in
+        between are recomputed harmlessly at their old positions). `block_size` may differ
+        from step to step (adaptive speculation), up to the loop's."""
+        block_size = self.block_size if block_size is None else max(1, min(block_size, self.block_size))
+        occupied = [b for b in range(self.slots) if self.keys[b] is not None]
+        if not occupied:
+            return Step({}, {})
+        rows = slice(0, occupied[-1] + 1)
+        n = block_size - 1
+        device = self.target.device
+        committed, pending = self.committed[rows], self.pending[rows]
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(pending, committed, n, rows=rows)
+        t1 = time.perf_counter()
+        block = torch.cat([pending[:, None], drafts], dim=1)
+        positions = committed[:, None] + torch.arange(block_size, device=device)
+        hidden, features = self.target(block, positions, self.proposer.capture_layers, rows=rows)
+        target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
+        accepted = acceptance(drafts, target_ids)
+        t2 = time.perf_counter()
+        self.proposer.observe(block, features, positions, rows=rows)
+        accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
+        new_ids, live = {}, []
+        for b in occupied:
+            state, req = self.states[b], self.requests[b]
+            if state.finished:
+                continue
+            a = accepted_list[b]
+            state.acceptance_lengths.append(a + 1)
+            state.accepted_per_step.append((a, n))
+            new_ids[self.keys[b]] = _emit(req, state, drafts_list[b][:a] + [target_list[b][a]])
+            live.append(not state.finished)
+        # Finished and free rows stay frozen: recomputed at the same positions, harmlessly.
+        active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
+                               for b in range(rows.stop)], device=device)
+        bonus = target_ids.gather(1, accepted[:, None])[:, 0]
+        committed.copy_(torch.where(active, committed + accepted + 1, committed))
+        pending.copy_(torch.where(active, bonus, pending))
+        finished = {}
+        for b in occupied:
+            key = self.keys[b]
+            if key in new_ids:
+                finished[key] = self.states[b].finished
+        t3 = time.perf_counter()
+        return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
+                    batch=len(occupied), block_size=block_size)
+
+
 @torch.inference_mode()
 def generate_steps(target: Transformer, proposer: Proposer, requests: list[Request],
                    block_size: int = 16, states: list[SequenceState] | None = None,
@@ -111,82 +247,32 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     waiting, the next one is prefilled into its slot (continuous batching). Final
     outputs accumulate in `states` (pass a list to read them), indexed like `requests`.
     """
-    if proposer.max_block_size is None:
-        block_size = 1
-    elif not 2 <= block_size <= proposer.max_block_size:
+    if proposer.max_block_size is not None and not 2 <= block_size <= proposer.max_block_size:
         raise BlockdraftError(f"block size {block_size} must be between 2 and the drafter's "
                               f"trained block size {proposer.max_block_size}")
     max_len = check_requests(target, requests, block_size)
     if states is None:
         states = []
     states[:] = [SequenceState() for _ in requests]
-    device = target.device
     batch = min(batch_size or len(requests), len(requests))
-    capture = proposer.capture_layers
-    target.ensure_caches(batch, max_len)
-    proposer.reset(batch, max_len)
-    slot_req = list(range(batch))  # which request each slot serves
-    waiting = batch  # index of the next request to start
-    params = [requests[i].sampling for i in slot_req]
-    committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
-    pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
-
-    def prefill(first_slot: int, count: int) -> dict[int, list[int]]:
-        """Prefill requests of slots first_slot..+count in one right-padded forward; each
-        first token comes from the logits at the request's last prompt position."""
-        rows = slice(first_slot, first_slot + count)
-        reqs = [requests[i] for i in slot_req[rows]]
-        lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=device)
-        width = int(lengths.max())
-        tokens = torch.zeros(count, width, dtype=torch.long, device=device)
-        for b, r in enumerate(reqs):
-            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-        positions = torch.arange(width, device=device).expand(count, -1)
-        hidden, features = target(tokens, positions, capture, rows=rows)
-        last = hidden[torch.arange(count, device=device), lengths - 1]
-        first = sample_tokens(target.logits(last)[:, None], lengths[:, None], params[rows])[:, 0]
-        proposer.observe(tokens, features, positions, rows=rows)
-        committed[rows], pending[rows] = lengths, first
-        return {i: _emit(requests[i], states[i], [int(t)]) for i, t in zip(slot_req[rows], first.tolist())}
-
+    loop = DecodeLoop(target, proposer, block_size, batch, max_len)
     t0 = time.perf_counter()
-    new_ids = prefill(0, batch)
+    new_ids = loop.admit([(i, requests[i], states[i]) for i in range(batch)])
     elapsed = time.perf_counter() - t0
+    waiting = batch  # index of the next request to start
     yield Step(new_ids, {i: states[i].finished for i in new_ids}, verify_seconds=elapsed,
                total_seconds=elapsed, prefill=True)
-
-    n = block_size - 1
-    offsets = torch.arange(block_size, device=device)
-    while not all(states[i].finished for i in slot_req) or waiting < len(requests):
+    while loop.active:
+        step = loop.step()
         t0 = time.perf_counter()
-        drafts = proposer.propose(pending, committed, n)
-        t1 = time.perf_counter()
-        block = torch.cat([pending[:, None], drafts], dim=1)
-        positions = committed[:, None] + offsets
-        hidden, features = target(block, positions, capture)
-        target_ids = sample_tokens(target.logits(hidden), positions + 1, params)
-        accepted = acceptance(drafts, target_ids)
-        t2 = time.perf_counter()
-        proposer.observe(block, features, positions)
-
-        accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
-        new_ids = {}
-        for b, i in enumerate(slot_req):
-            if states[i].finished:
-                continue
-            a = accepted_list[b]
-            states[i].acceptance_lengths.append(a + 1)
-            new_ids[i] = _emit(requests[i], states[i], drafts_list[b][:a] + [target_list[b][a]])
-        # Finished rows stay frozen: they are recomputed at the same positions, harmlessly.
-        active = torch.tensor([not states[i].finished for i in slot_req], device=device)
-        bonus = target_ids.gather(1, accepted[:, None])[:, 0]
-        committed.copy_(torch.where(active, committed + accepted + 1, committed))
-        pending.copy_(torch.where(active, bonus, pending))
-        for b in range(batch):  # continuous batching: a free slot takes the next request
-            if states[slot_req[b]].finished and waiting < len(requests):
-                slot_req[b], params[b] = waiting, requests[waiting].sampling
+        for key, done in step.finished.items():
+            if done:
+                loop.release(key)
+        for _ in loop.free_slots:  # continuous batching: a free slot takes the next request
+            if waiting < len(requests):
+                new = loop.admit([(waiting, requests[waiting], states[waiting])])
+                step.new_ids.update(new)
+                step.finished.update({i: states[i].finished for i in new})
                 waiting += 1
-                new_ids.update(prefill(b, 1))
-        t3 = time.perf_counter()
-        yield Step(new_ids, {i: states[i].finished for i in new_ids}, draft_seconds=t1 - t0,
-                   verify_seconds=t2 - t1, total_seconds=t3 - t0)
+        step.total_seconds += time.perf_counter() - t0
+        yield step

@@ -240,6 +240,31 @@ class DFlashDrafter(nn.Module):
         # checkpoints) gives it to the first layer alone, like feeding it at the input.
         mode = cfg.extra.get("blockdraft", {}).get("context_mode", "kv")
         self.context_layers = cfg.num_hidden_layers if mode == "kv" else 1
+        # Optional draft vocabulary (blockdraft extension, as in EAGLE-3): the drafter scores
+        # only these target token ids, which makes its LM head (the bulk of its cost) smaller.
+        size = cfg.extra.get("blockdraft", {}).get("draft_vocab_size")
+        if size:
+            self.register_buffer("draft_vocab", torch.arange(int(size)))
+
+    def set_draft_vocab(self, token_ids):
+        """Fix the draft vocabulary (sorted, unique target ids; its size is the config's)."""
+        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long)
+        if not hasattr(self, "draft_vocab") or ids.numel() != self.draft_vocab.numel():
+            raise ValueError("draft vocabulary size differs from the config's draft_vocab_size")
+        if ids.numel() and not 0 <= int(ids[0]) <= int(ids[-1]) < self.config.vocab_size:
+            raise ValueError("draft vocabulary ids outside the target vocabulary")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+
+    def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Rows of the target's LM head the drafter scores (all, or the draft vocabulary's)."""
+        vocab = getattr(self, "draft_vocab", None)
+        return lm_head_weight if vocab is None else lm_head_weight[vocab]
+
+    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token ids (target ids) from final hidden states."""
+        best = torch.nn.functional.linear(hidden, self.head_weight(lm_head_weight)).argmax(-1)
+        vocab = getattr(self, "draft_vocab", None)
+        return best if vocab is None else vocab[best]
 
     def reset_parameters(self, std: float = 0.02):
         """The initialisation used for training: N(0, std) projections, unit norms."""
@@ -253,7 +278,8 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
                 context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, cache: DraftCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: DraftCache | None = None,
+                rows: slice = slice(None)) -> torch.Tensor:
         """Denoise blocks in one pass; returns final-norm hidden states [B, Tq, H].
 
         noise_embedding [B, Tq, H]: target embeddings of the block tokens at `positions` [B, Tq].
@@ -264,7 +290,7 @@ class DFlashDrafter(nn.Module):
         which each query sees (a block: context strictly before its anchor, and itself).
         Decoding (cache given): new context (if any) is first written into the cache, then
         every block query sees cached context at positions strictly before its anchor
-        (`positions[:, 0]`) plus its whole block.
+        (`positions[:, 0]`) plus its whole block; `rows` picks the cache's batch rows.
         """
         cos, sin = self.rotary(positions, noise_embedding.dtype)
         if cache is None:
@@ -272,7 +298,7 @@ class DFlashDrafter(nn.Module):
             ctx_cos, ctx_sin = self.rotary(context_positions, noise_embedding.dtype)
         else:
             if context is not None:
-                self.write_context(cache, context, context_positions)
+                self.write_context(cache, context, context_positions, rows)
             b, t = positions.shape
             used = int(positions[:, 0].max())
             keys = torch.arange(used, device=positions.device)
@@ -287,7 +313,7 @@ class DFlashDrafter(nn.Module):
             if cache is None:
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
             else:
-                ctx_k, ctx_v = cache.k[i, :, :, :used], cache.v[i, :, :, :used]
+                ctx_k, ctx_v = cache.k[i, rows, :, :used], cache.v[i, rows, :, :used]
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(x)
 
@@ -330,8 +356,9 @@ class DFlashDrafter(nn.Module):
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
         config = self.config.to_dict()
-        weights = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
-        config["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+        weights = {k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        config["dtype"] = str(self.fc.weight.dtype if dtype is None else dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         old = None
@@ -365,6 +392,7 @@ class DFlashDrafter(nn.Module):
                                   f"unexpected {sorted(unexpected)[:4]})")
         device = torch.device(device or "cpu")
         dtype = dtype or torch.float32
-        model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()}, assign=True)
+        model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                               for k, v in weights.items()}, assign=True)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
         return model.eval()

@@ -24,12 +24,12 @@ from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, eos_token_ids, load_target, load_tokenizer
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
-from .proposers import DFlashProposer, Proposer
+from .proposers import DFlashProposer, LookupProposer, Proposer
 from .sampling import SamplingParams
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 SHIPPED_DRAFTS = {DEFAULT_TARGET_NAME: REPO_MODELS / "smollm2-135m-instruct-dflash"}
-METHODS = ("dflash", "ar")
+METHODS = ("dflash", "ar", "lookup")
 
 
 @dataclass
@@ -123,6 +123,8 @@ class Engine:
     def proposer(self, method: str) -> Proposer:
         if method == "ar":
             return Proposer()
+        if method == "lookup":
+            return LookupProposer()
         if method == "dflash":
             if self.drafter is None:
                 raise BlockdraftError(self.draft_note or "method dflash needs a drafter: pass --draft DIR")
@@ -148,17 +150,9 @@ class Engine:
         batch = [prompts] if single else list(prompts)
         proposer = proposer or self.proposer(method)
         if block_size is None:
-            block_size = proposer.max_block_size or 1
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise BlockdraftError("stop strings must be non-empty")
-        rows = []
-        for i, prompt in enumerate(batch):
-            params = SamplingParams(temperature, top_p, top_k, None if seed is None else seed + i)
-            req = Request(self.encode(prompt, chat), max_new_tokens, params, tuple(self.stop_token_ids))
-            if stops:
-                req.stop_check = self._stop_checker(stops)
-            rows.append(_Row(req, stops))
+            block_size = proposer.default_block_size or proposer.max_block_size or 1
+        rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
+                              None if seed is None else seed + i, stop) for i, prompt in enumerate(batch)]
         states: list[SequenceState] = []
         steps = []
         t0 = time.perf_counter()
@@ -167,7 +161,7 @@ class Engine:
             if on_text is not None:
                 for i, (row, state) in enumerate(zip(rows, states)):
                     if step.new_ids.get(i) or state.finished:
-                        delta = self._text_delta(row, state)
+                        delta = self.text_delta(row, state)
                         if delta:
                             on_text(i, delta)
         elapsed = time.perf_counter() - t0
@@ -202,6 +196,23 @@ class Engine:
 
     # ---- helpers -------------------------------------------------------------------
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation in the target's chat template, ready for the answer."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None) -> _Row:
+        """A request with its sampling parameters, stop tokens and stop strings."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise BlockdraftError("stop strings must be non-empty")
+        req = Request(list(prompt_ids), max_new_tokens, SamplingParams(temperature, top_p, top_k, seed),
+                      tuple(self.stop_token_ids))
+        if stops:
+            req.stop_check = self._stop_checker(stops)
+        return _Row(req, stops)
+
     def _stop_checker(self, stops: list[str]):
         def check(ids: list[int]) -> int | None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -219,7 +230,8 @@ class Engine:
         cuts = [text.find(s) for s in row.stops if s in text]
         return text[: min(cuts)] if cuts else text
 
-    def _text_delta(self, row: _Row, state: SequenceState) -> str:
+    def text_delta(self, row: _Row, state: SequenceState) -> str:
+        """New text of a row since the last call (held back while it may still change)."""
         text = self._final_text(row, state.output_ids)
         if not state.finished:
             if text.endswith("\ufffd"):  # a multi-byte character is not complete yet

@@ -19,19 +19,57 @@ def test_bench_json_contract(tmp_path, draft_dir):
     prompts.write_text(json.dumps({"turns": ["Name a colour.", "And another one?"]}) + "\n"
                        + json.dumps({"turns": ["def add(a, b):"], "extra": 1}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts),
-                           "--methods", "ar,dflash,dflash@4", "--max-new-tokens", "8", "--draft", str(draft_dir),
+                           "--methods", "ar,hf,lookup,hf-lookup@4,dflash,dflash@4", "--max-new-tokens", "8", "--draft", str(draft_dir),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     methods = report["methods"]
-    assert set(methods) == {"ar", "dflash", "dflash@4"}
+    assert set(methods) == {"ar", "hf", "lookup", "hf-lookup@4", "dflash", "dflash@4"}
     for name, r in methods.items():
         assert {"tau", "acceptance_histogram", "tokens_per_second", "speedup_vs_ar", "prompts"} <= set(r)
-        assert r["tokens_per_second"] > 0 and r["tau"] >= 1.0
-        assert sum(r["acceptance_histogram"]) == pytest.approx(1.0)
+        assert r["tokens_per_second"] > 0
         assert len(r["prompts"]) == 2 and len(r["prompts"][0]["token_ids"]) == 2  # both turns ran
+        if name in ("ar", "lookup", "dflash", "dflash@4"):
+            assert r["tau"] >= 1.0 and sum(r["acceptance_histogram"]) == pytest.approx(1.0)
+            assert len(r["per_position_acceptance"]) == r["block_size"] - 1
+            assert all(0 <= x <= 1 for x in r["per_position_acceptance"])
+            assert r["speedup_bound"] > 0
+            assert r["draft_seconds"] + r["verify_seconds"] + r["prefill_seconds"] <= r["decode_seconds"] + 1e-6
     assert methods["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert methods["ar"]["speedup_bound"] == pytest.approx(1.0)
     assert methods["dflash"]["block_size"] == 16 and methods["dflash@4"]["block_size"] == 4
-    # greedy speculative decoding is lossless: the same tokens as ar, turn by turn
-    for name in ("dflash", "dflash@4"):
+    # greedy decoding is lossless: every method gives ar's tokens, turn by turn (HF included)
+    for name in methods:
         assert [p["token_ids"] for p in methods[name]["prompts"]] == [p["token_ids"] for p in methods["ar"]["prompts"]]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| dflash@4 | 4 |" in report and (tmp_path / "out" / "acceptance_p.png").stat().st_size > 1000
+
+
+def test_lookup_continuation():
+    import numpy as np
+
+    from blockdraft.proposers import lookup_continuation
+
+    seq = np.array([5, 1, 2, 3, 9, 9, 1, 2])
+    assert lookup_continuation(seq, 3, 3, 1) == [3, 9, 9]  # the 2-gram [1, 2] matched
+    assert lookup_continuation(np.array([1, 2, 3]), 2, 3, 1) == []
+    assert lookup_continuation(np.array([7, 8, 7, 4, 7]), 2, 3, 1) == [4, 7]  # latest match of [7]
+
+
+@pytest.mark.slow
+def test_distribution_check_and_lookup_sanity(draft_dir):
+    """At T=1 speculative methods keep the target's token distribution (chi-square vs ar on
+    other seeds); our lookup and HF's prompt lookup agree with greedy decoding."""
+    from blockdraft.bench.runner import distribution_check, run_bench
+    from blockdraft.engine import Engine
+
+    engine = Engine.load(draft=draft_dir)
+    records = [{"id": "a", "turns": ["Pick a random animal and describe it in one sentence."]}]
+    report = distribution_check(engine, ["lookup", "dflash@4"], records, samples=300, positions=3)
+    for checks in report.values():
+        assert all(c["same_distribution"] for c in checks), checks
+    results = run_bench(engine, [{"id": "b", "turns": ["Repeat this list twice: apple, pear, plum, fig."]}],
+                        ["ar", "lookup@6", "hf-lookup@6"], max_new_tokens=40)
+    ar = results["ar"]["prompts"][0]["token_ids"]
+    assert results["lookup@6"]["prompts"][0]["token_ids"] == ar == results["hf-lookup@6"]["prompts"][0]["token_ids"]
+    assert results["lookup@6"]["tau"] > 1.5  # repetition is where prompt lookup shines

@@ -36,8 +36,8 @@ class RiggedProposer(DFlashProposer):
         super().__init__(drafter, target)
         self.truths, self.prompt_lens, self.perfect = truths, prompt_lens, perfect
 
-    def propose(self, last_tokens, positions, n):
-        drafts = super().propose(last_tokens, positions, n)
+    def propose(self, last_tokens, positions, n, rows=slice(None)):
+        drafts = super().propose(last_tokens, positions, n, rows)
         for b in range(drafts.shape[0]):
             for k in range(n):
                 i = int(positions[b]) + 1 + k - self.prompt_lens[b]

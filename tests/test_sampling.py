@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import blockdraft.decode as decode_mod
+from blockdraft.bench.stats import chi2_goodness_of_fit
 from blockdraft.decode import Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target
@@ -61,19 +62,7 @@ def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=5
 
 def chi_square(dist, counts, n=N_SAMPLES):
     """Pearson statistic with cells of expected count < 5 pooled, and its 0.1% critical value."""
-    stat, pooled_e, pooled_o, cells = 0.0, 0.0, 0, 0
-    for seq, p in dist.items():
-        e, o = p * n, counts.get(seq, 0)
-        if e < 5:
-            pooled_e, pooled_o = pooled_e + e, pooled_o + o
-        else:
-            stat, cells = stat + (o - e) ** 2 / e, cells + 1
-    if pooled_e > 0:
-        stat, cells = stat + (pooled_o - pooled_e) ** 2 / pooled_e, cells + 1
-    df = cells - 1
-    z = 3.09  # Wilson-Hilferty approximation of the chi-square quantile at 0.999
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, critical
+    return chi2_goodness_of_fit(dist, counts, n)
 
 
 CASES = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]

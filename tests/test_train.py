@@ -112,8 +112,8 @@ class LabelProposer(DFlashProposer):
         super().__init__(drafter, target)
         self.label_of = label_of
 
-    def propose(self, last_tokens, positions, n):
-        super().propose(last_tokens, positions, n)
+    def propose(self, last_tokens, positions, n, rows=slice(None)):
+        super().propose(last_tokens, positions, n, rows)
         return torch.tensor([self.label_of(int(positions[0]), n)])
 
 

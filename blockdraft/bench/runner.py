@@ -1,8 +1,15 @@
 """`blockdraft bench`: methods interleaved prompt by prompt, same process, same prompts.
 
-Methods: `ar` (the reference for speedup_vs_ar), `dflash` (the drafter's trained
-block size) and `dflash@B` (block size B). Each prompt's turns run as a
-conversation: a later turn follows the method's own earlier answer.
+Methods:
+  ar            our plain autoregressive decoding (the reference for speedup_vs_ar)
+  hf            HF transformers `generate` on the same weights
+  hf-lookup[@B] HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1, default 10)
+  lookup[@B]    our prompt-lookup (n-gram) drafter, verified by our loop (default B = 4)
+  dflash[@B]    the DFlash drafter at its trained block size, or at block size B
+
+Each prompt's turns run as a conversation: a later turn follows the method's own
+earlier answer. With --repeats R every prompt runs R times per method, still
+interleaved; a warm-up generation per method runs first and is not counted.
 """
 
 from __future__ import annotations
@@ -11,13 +18,16 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ..datasets import humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
+from ..engine import Generation
 from ..errors import BlockdraftError
+from .stats import chi2_homogeneity
 
 DATASETS = {
     "humaneval": humaneval,
@@ -38,85 +48,250 @@ def load_prompts(dataset: str | None, prompts_file: str | None, max_samples: int
     return records[:max_samples] if max_samples else records
 
 
-def parse_method(name: str, engine) -> tuple[str, int | None]:
-    """'ar' | 'dflash' | 'dflash@B' -> (method, block size)."""
+@dataclass
+class Method:
+    name: str
+    kind: str  # ar | lookup | dflash | hf | hf-lookup
+    block: int | None
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind in ("lookup", "dflash")
+
+
+def parse_method(name: str, engine) -> Method:
+    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'dflash[@B]' -> Method."""
     base, _, block = name.partition("@")
-    if base not in ("ar", "dflash"):
-        raise BlockdraftError(f"unknown method {name!r}; use ar, dflash or dflash@B")
+    if base not in ("ar", "hf", "hf-lookup", "lookup", "dflash") or (block and base in ("ar", "hf")):
+        raise BlockdraftError(f"unknown method {name!r}; use ar, hf, hf-lookup[@B], lookup[@B] or dflash[@B]")
+    if block and not block.isdigit():
+        raise BlockdraftError(f"{name!r}: the block size after @ must be an integer")
     if base == "dflash" and engine.drafter is None:
         raise BlockdraftError(engine.draft_note or "dflash needs a drafter (--draft DIR)")
-    return base, int(block) if block else None
+    if base == "dflash":
+        size = int(block) if block else engine.drafter.config.block_size
+    elif base in ("lookup", "hf-lookup"):
+        size = int(block) if block else (4 if base == "lookup" else 11)
+    else:
+        size = 1
+    return Method(name, base, size)
+
+
+class HFRunner:
+    """HF transformers' own `generate` on the same weights (greedy, or sampled at T > 0)."""
+
+    def __init__(self, engine):
+        from transformers import AutoModelForCausalLM
+
+        self.engine = engine
+        self.model = AutoModelForCausalLM.from_pretrained(str(engine.target_name), dtype=engine.target.dtype)
+        self.model = self.model.to(engine.target.device).eval()
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 lookup_tokens: int = 0) -> Generation:
+        eos = list(self.engine.stop_token_ids)
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                      do_sample=temperature > 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
+        if lookup_tokens:
+            kwargs["prompt_lookup_num_tokens"] = lookup_tokens
+        inputs = torch.tensor([ids], device=self.engine.target.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        elapsed = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        for i, t in enumerate(new):
+            if t in eos:
+                new = new[: i + 1]
+                break
+        finish = "stop" if new and new[-1] in eos else "length"
+        return Generation(text=self.engine.tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
+                          num_prompt_tokens=len(ids), num_output_tokens=len(new), acceptance_lengths=[], tau=0.0,
+                          decode_seconds=elapsed, tokens_per_second=len(new) / elapsed if elapsed else 0.0,
+                          finish_reason=finish, method="hf-lookup" if lookup_tokens else "hf",
+                          block_size=lookup_tokens + 1)
+
+
+def _generate(engine, hf: HFRunner | None, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
+    if m.kind in ("hf", "hf-lookup"):
+        return hf.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                           lookup_tokens=m.block - 1 if m.kind == "hf-lookup" else 0)
+    return engine.generate(ids, method=m.kind, block_size=m.block if m.speculative else None,
+                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+
+def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[float]]:
+    """Histogram of committed tokens per step (index = length, 1..block) as fractions, and
+    the per-position acceptance rate: P(draft k accepted | drafts 1..k-1 accepted). Both are
+    empty when the method reports no acceptance lengths (HF's generate)."""
+    if not lengths:
+        return [], []
+    hist = [0] * (block + 1)
+    for a in lengths:
+        hist[min(a, block)] += 1
+    total = max(1, len(lengths))
+    rates = []
+    for k in range(1, block):
+        reached = sum(1 for a in lengths if a - 1 >= k - 1)
+        accepted = sum(1 for a in lengths if a - 1 >= k)
+        rates.append(accepted / reached if reached else 0.0)
+    return [h / total for h in hist], rates
 
 
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
-              temperature: float = 0.0, seed: int = 0, warmup: bool = True) -> dict:
-    parsed = {m: parse_method(m, engine) for m in methods}
+              temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1) -> dict:
+    parsed = [parse_method(m, engine) for m in methods]
+    hf = HFRunner(engine) if any(m.kind.startswith("hf") for m in parsed) else None
     if warmup:
-        for m, (method, block) in parsed.items():
-            engine.generate("Hello", chat=True, method=method, block_size=block, max_new_tokens=4)
-    per = {m: {"prompts": [], "acceptance_lengths": [], "tokens": 0, "seconds": 0.0, "draft_seconds": 0.0,
-               "verify_seconds": 0.0} for m in methods}
-    for rec in tqdm(records, desc="bench", unit="prompt", dynamic_ncols=True):
-        for m, (method, block) in parsed.items():  # interleaved: drift hits every method alike
-            messages, outs = [], []
-            for turn in rec["turns"]:
-                messages.append({"role": "user", "content": turn})
-                text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-                out = engine.generate(ids, method=method, block_size=block, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, seed=seed)
-                messages.append({"role": "assistant", "content": out.text})
-                outs.append(out)
-                p = per[m]
-                p["acceptance_lengths"] += out.acceptance_lengths
-                p["tokens"] += out.num_output_tokens
-                p["seconds"] += out.decode_seconds
-                p["draft_seconds"] += out.draft_seconds
-                p["verify_seconds"] += out.verify_seconds
-            per[m]["prompts"].append({"id": rec["id"], "token_ids": [o.token_ids for o in outs],
-                                      "tokens_per_second": [o.tokens_per_second for o in outs],
-                                      "tau": [o.tau for o in outs]})
+        ids = engine.encode("Hello", chat=True)
+        for m in parsed:
+            _generate(engine, hf, m, ids, 4, temperature, seed)
+    keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
+    per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
+           for m in parsed}
+    bar = tqdm(total=len(records) * repeats, desc="bench", unit="prompt", dynamic_ncols=True)
+    for rep in range(repeats):
+        rep_tokens = {m.name: [0, 0.0] for m in parsed}
+        for rec in records:
+            for m in parsed:  # interleaved: drift hits every method alike
+                messages, outs = [], []
+                for turn in rec["turns"]:
+                    messages.append({"role": "user", "content": turn})
+                    out = _generate(engine, hf, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
+                    messages.append({"role": "assistant", "content": out.text})
+                    outs.append(out)
+                    p = per[m.name]
+                    if rep == 0:
+                        p["acceptance_lengths"] += out.acceptance_lengths
+                    p["tokens"] += out.num_output_tokens
+                    p["seconds"] += out.decode_seconds
+                    p["prefill_seconds"] += out.prefill_seconds
+                    p["draft_seconds"] += out.draft_seconds
+                    p["verify_seconds"] += out.verify_seconds
+                    p["steps"] += out.steps
+                    rep_tokens[m.name][0] += out.num_output_tokens
+                    rep_tokens[m.name][1] += out.decode_seconds
+                entry = per[m.name]["prompts"].setdefault(rec["id"], {
+                    "id": rec["id"], "token_ids": [o.token_ids for o in outs], "tokens_per_second": [],
+                    "tau": [o.tau for o in outs]})
+                entry["tokens_per_second"].append([o.tokens_per_second for o in outs])
+            bar.update(1)
+        for name, (tokens, seconds) in rep_tokens.items():
+            per[name]["repeat_tps"].append(tokens / seconds if seconds else 0.0)
+    bar.close()
+
     results = {}
-    for m, p in per.items():
+    for m in parsed:
+        p = per[m.name]
         lengths = p["acceptance_lengths"]
-        block = parsed[m][1] or (engine.drafter.config.block_size if parsed[m][0] == "dflash" else 1)
-        hist = [0] * (block + 1)
-        for a in lengths:
-            hist[min(a, block)] += 1
-        tps = [x for q in p["prompts"] for x in q["tokens_per_second"]]
-        results[m] = {
-            "tau": sum(lengths) / len(lengths) if lengths else 0.0,
-            "acceptance_histogram": [h / max(1, len(lengths)) for h in hist],
+        hist, rates = acceptance_stats(lengths, m.block)
+        tps = [statistics.median(x) for q in p["prompts"].values() for x in zip(*q["tokens_per_second"])]
+        steps = max(1, p["steps"])
+        results[m.name] = {
+            "tau": sum(lengths) / len(lengths) if lengths else (1.0 if m.kind in ("ar", "hf") else None),
+            "acceptance_histogram": hist,
+            "per_position_acceptance": rates,
             "tokens_per_second": p["tokens"] / p["seconds"] if p["seconds"] else 0.0,
             "tokens_per_second_median": statistics.median(tps) if tps else 0.0,
-            "block_size": block,
+            "tokens_per_second_repeats": p["repeat_tps"],
+            "block_size": m.block,
             "num_output_tokens": p["tokens"],
+            "decode_seconds": p["seconds"],
+            "prefill_seconds": p["prefill_seconds"],
             "draft_seconds": p["draft_seconds"],
             "verify_seconds": p["verify_seconds"],
-            "decode_seconds": p["seconds"],
-            "prompts": p["prompts"],
+            "other_seconds": max(0.0, p["seconds"] - p["prefill_seconds"] - p["draft_seconds"] - p["verify_seconds"])
+            if p["steps"] else None,
+            "seconds_per_step": {"draft": p["draft_seconds"] / steps, "verify": p["verify_seconds"] / steps}
+            if p["steps"] else None,
+            "prompts": list(p["prompts"].values()),
         }
     if "ar" in results:
-        base = results["ar"]["tokens_per_second"]
+        ar = results["ar"]
+        base = ar["tokens_per_second"]
+        t_step = ar["seconds_per_step"]["verify"] + ar["seconds_per_step"]["draft"]
+        ar_runs = ar["tokens_per_second_repeats"]
         for r in results.values():
             r["speedup_vs_ar"] = r["tokens_per_second"] / base if base else None
+            r["speedup_vs_ar_repeats"] = [a / b for a, b in zip(r["tokens_per_second_repeats"], ar_runs) if b]
+            sps = r["seconds_per_step"]
+            if sps and r["tau"]:  # the loop's own limit: tau * t_step / (t_draft + t_verify)
+                r["speedup_bound"] = r["tau"] * t_step / (sps["draft"] + sps["verify"])
     return results
 
 
-def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
-                  first_turn_only=False) -> dict:
-    records = load_prompts(dataset, prompts_file, max_samples, first_turn_only)
-    t0 = time.time()
-    results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature)
-    report = {
-        "dataset": prompts_file or dataset, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "first_turn_only": first_turn_only, "methods": results,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "device": str(engine.target.device),
-                    "dtype": str(engine.target.dtype), "torch": torch.__version__},
-        "wall_seconds": time.time() - t0,
-    }
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "results.json").write_text(json.dumps(report, indent=1))
+def distribution_check(engine, methods: list[str], records: list[dict], *, samples: int = 400,
+                       positions: int = 3, temperature: float = 1.0) -> dict:
+    """At temperature > 0 the output distribution must stay the target's: the tokens at the
+    first `positions` positions of `samples` seeded runs of each method are compared with
+    `ar` run on other seeds (two-sample chi-square, 0.1% level)."""
+    ids = engine.encode_chat([{"role": "user", "content": records[0]["turns"][0]}])
+
+    def counts(method: Method, seed0: int):
+        outs = _generate_many(engine, method, ids, samples, positions, temperature, seed0)
+        return [{t: sum(1 for o in outs if len(o) > k and o[k] == t) for t in {o[k] for o in outs if len(o) > k}}
+                for k in range(positions)]
+
+    base = counts(parse_method("ar", engine), 0)
+    report = {}
+    for name in methods:
+        m = parse_method(name, engine)
+        if not m.speculative:
+            continue
+        other = counts(m, 10 ** 6)
+        checks = []
+        for k in range(positions):
+            stat, critical, df = chi2_homogeneity(base[k], other[k])
+            checks.append({"position": k + 1, "chi2": stat, "critical_0.001": critical, "df": df,
+                           "same_distribution": stat < critical})
+        report[name] = checks
     return report
+
+
+def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0):
+    outs = []
+    for start in range(0, n, 100):
+        rows = min(100, n - start)
+        gens = engine.generate([list(ids)] * rows, method=m.kind, block_size=m.block if m.speculative else None,
+                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start)
+        outs += [g.token_ids for g in gens]
+    return outs
+
+
+def machine_info(engine) -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "device": str(engine.target.device),
+            "dtype": str(engine.target.dtype), "torch": torch.__version__}
+
+
+def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
+                  first_turn_only=False, repeats=1, check_distribution=0) -> dict:
+    """Run every dataset (comma-separated names) and write results.json (one dataset) or
+    DATASET/results.json (several), plus report.md and plots, into `out`."""
+    names = [prompts_file] if prompts_file else [d for d in dataset.split(",") if d]
+    reports = {}
+    for name in names:
+        records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
+        t0 = time.time()
+        results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
+                            repeats=repeats)
+        report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
+                  "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
+                  "methods": results, "machine": machine_info(engine)}
+        if check_distribution:
+            report["distribution_check"] = distribution_check(engine, methods, records, samples=check_distribution,
+                                                              temperature=temperature or 1.0)
+        report["wall_seconds"] = time.time() - t0
+        reports[Path(name).stem if prompts_file else name] = report
+        if out:
+            folder = Path(out) if len(names) == 1 else Path(out) / (Path(name).stem if prompts_file else name)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.json").write_text(json.dumps(report, indent=1))
+    if out:
+        from .report import write_report
+
+        write_report(reports, Path(out))
+    return reports

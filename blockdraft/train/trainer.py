@@ -61,6 +61,8 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     lm_head_chunk: int = 1024
+    init: str = "random"  # random | target-first | target-last (copy target layers into the drafter)
+    draft_vocab: int = 0  # >0: the drafter scores only the N most frequent answer tokens (0: all)
     limit_samples: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -74,12 +76,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk):
+def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None):
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
-    Returns (loss, per-offset correct counts, per-offset totals)."""
+    `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
+    not in it; such labels count as misses and carry no loss). Returns (loss, per-offset
+    correct counts, per-offset totals)."""
     keep = labels != IGNORE
     h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
+    if to_draft is not None:
+        y = to_draft[y]
+        w = torch.where(y >= 0, w, torch.zeros_like(w))
+        y = y.clamp(min=0)
     total = h.new_zeros(())
     correct = torch.zeros(block_size, dtype=torch.long)
     count = torch.bincount(k, minlength=block_size)
@@ -89,8 +97,49 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
             return F.cross_entropy(logits.float(), yc, reduction="none"), logits.argmax(-1)
         ce, pred = torch.utils.checkpoint.checkpoint(part, h[s:s + chunk], use_reentrant=False)
         total = total + (ce * w[s:s + chunk]).sum()
-        correct += torch.bincount(k[s:s + chunk][pred == y[s:s + chunk]], minlength=block_size)
+        hit = (pred == y[s:s + chunk]) & (w[s:s + chunk] > 0) if to_draft is not None else pred == y[s:s + chunk]
+        correct += torch.bincount(k[s:s + chunk][hit], minlength=block_size)
     return total / w.sum().clamp(min=1e-6), correct, count
+
+
+def init_from_target(drafter: DFlashDrafter, target, how: str):
+    """Warm start: copy the first or last N target layers' attention, MLP and norm weights into
+    the drafter's N layers (the drafter's extra q/k norms and its fc stay freshly initialised)."""
+    n, layers = len(drafter.layers), target.model.layers
+    if how not in ("target-first", "target-last"):
+        raise BlockdraftError(f"--init must be random, target-first or target-last, not {how!r}")
+    source = layers[:n] if how == "target-first" else layers[len(layers) - n:]
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, source):
+            att, tatt = mine.self_attn, theirs.self_attn
+            q, k, v = tatt.qkv_proj.weight.split([att.heads * att.head_dim, att.kv_heads * att.head_dim,
+                                                  att.kv_heads * att.head_dim])
+            att.q_proj.weight.copy_(q)
+            att.k_proj.weight.copy_(k)
+            att.v_proj.weight.copy_(v)
+            att.o_proj.weight.copy_(tatt.o_proj.weight)
+            gate, up = theirs.mlp.gate_up_proj.weight.split(theirs.mlp.hidden)
+            mine.mlp.gate_proj.weight.copy_(gate)
+            mine.mlp.up_proj.weight.copy_(up)
+            mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
+            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        if how == "target-last":
+            drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
+    """The draft vocabulary: the `n` most frequent answer tokens; ties and any shortfall are
+    filled from prompt-token frequency, then by id (deterministic)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq in answers:
+        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    prompt = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq in prompts:
+        prompt += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    score = counts * (prompt.sum() + 1) + prompt  # answers first, prompts break ties
+    order = sorted(range(vocab_size), key=lambda i: (-float(score[i]), i))
+    return sorted(order[:n])
 
 
 class Trainer:
@@ -112,7 +161,10 @@ class Trainer:
         draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
                                            block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                            target_layer_ids=cfg.target_layer_ids)
-        draft_cfg.extra = {"blockdraft": {"context_mode": cfg.context_mode}} if cfg.context_mode != "kv" else {}
+        ours = {"context_mode": cfg.context_mode} if cfg.context_mode != "kv" else {}
+        if cfg.draft_vocab:
+            ours["draft_vocab_size"] = min(cfg.draft_vocab, self.target.config.vocab_size)
+        draft_cfg.extra = {"blockdraft": ours} if ours else {}
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
         self.samples = self._load_samples()
         self._orders: dict[int, list[int]] = {}
@@ -120,6 +172,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.drafter = DFlashDrafter(draft_cfg).to(self.device)
         self.drafter.reset_parameters()
+        if cfg.init != "random":
+            init_from_target(self.drafter, self.target, cfg.init)
+        self.to_draft = None
+        if cfg.draft_vocab:
+            self.drafter.set_draft_vocab(frequent_tokens([s[0][s[1]:] for s in self.samples],
+                                                         [s[0][:s[1]] for s in self.samples],
+                                                         self.drafter.draft_vocab.numel(), self.target.config.vocab_size))
+            self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         if resume and (self.out / "checkpoint" / "state.json").is_file():
@@ -184,9 +245,9 @@ class Trainer:
         batch = self.batch_at(self.step)
         hidden = self.block_hidden(batch)
         dev = self.device
-        loss, correct, count = weighted_loss(hidden, self.target.lm_head.weight, batch.labels.to(dev),
-                                             batch.weights.to(dev), batch.offsets.to(dev), cfg.block_size,
-                                             cfg.lm_head_chunk)
+        loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
+                                             batch.labels.to(dev), batch.weights.to(dev), batch.offsets.to(dev),
+                                             cfg.block_size, cfg.lm_head_chunk, self.to_draft)
         lr = lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -1,0 +1,363 @@
+"""`blockdraft serve`: an OpenAI-compatible HTTP server over the scheduler.
+
+Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (`stream: true` as server-sent
+events in OpenAI's chunk format). Bodies are parsed and checked by hand so that
+any malformed input gets a 4xx in OpenAI's error shape, never a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import BlockdraftError
+from .metrics import Metrics
+from .scheduler import QueueFull, Scheduler, ShuttingDown
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# ---- request checking ------------------------------------------------------------------
+
+def _field(body: dict, name: str, types, default=None, *, check=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"'{name}' must be {what or types}", name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"'{name}' must be {what or getattr(types, '__name__', types)}", name)
+    if check is not None and not check(value):
+        raise ApiError(400, f"'{name}' must be {what}", name)
+    return value
+
+
+def _number(body, name, default, lo, hi):
+    return float(_field(body, name, (int, float), default, what=f"a number in [{lo}, {hi}]",
+                        check=lambda v: math.isfinite(v) and lo <= v <= hi))
+
+
+def _stops(body) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    return stop
+
+
+class Server:
+    """The app's state: engine, scheduler, limits and metrics."""
+
+    def __init__(self, engine, *, model_name: str, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
+                 max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
+                 adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+                 shutdown_grace: float = 30.0):
+        self.engine, self.model_name, self.method = engine, model_name, method
+        self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
+        self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
+                                   max_model_len=max_model_len, block_size=block_size, adaptive=adaptive,
+                                   metrics=self.metrics)
+        self.max_model_len, self.max_tokens_limit = max_model_len, max_tokens_limit
+        self.api_key, self.max_body_bytes, self.shutdown_grace = api_key, max_body_bytes, shutdown_grace
+        self.created = int(time.time())
+
+    # ---- parsing -----------------------------------------------------------------------
+
+    async def read_json(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(bytes(body).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return data
+
+    def check_model(self, body: dict):
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", "model")
+        if model and model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           "model", code="model_not_found")
+
+    def sampling(self, body: dict, prompt_len: int, default_max: int | None):
+        n = _field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
+        del n
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this server's context is "
+                                f"{self.max_model_len} tokens", "messages")
+        limit = min(self.max_tokens_limit, room)
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _field(body, name, int, default_max if default_max is not None else limit,
+                            check=lambda v: v >= 1, what="an integer >= 1")
+        if max_tokens > self.max_tokens_limit:
+            raise ApiError(400, f"'{name}' is {max_tokens}; this server allows at most {self.max_tokens_limit}", name)
+        if max_tokens > room:
+            raise ApiError(400, f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds this server's "
+                                f"context of {self.max_model_len} tokens", name)
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p <= 0:
+            raise ApiError(400, "'top_p' must be in (0, 1]", "top_p")
+        seed = _field(body, "seed", int, None, check=lambda v: -(2 ** 63) <= v < 2 ** 64, what="a 64-bit integer")
+        if seed is not None:
+            seed %= 2 ** 64
+        top_k = _field(body, "top_k", int, 0, check=lambda v: v >= -1, what="an integer >= -1 (-1 or 0: off)")
+        stream = _field(body, "stream", bool, False, what="a boolean")
+        options = _field(body, "stream_options", dict, {}, what="an object")
+        include_usage = bool(options.get("include_usage", False))
+        try:
+            row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, _stops(body))
+        except BlockdraftError as exc:
+            raise ApiError(400, str(exc)) from None
+        return row, stream, include_usage
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "'prompt' must not be empty", "prompt")
+            return self.engine.tokenizer(prompt).input_ids
+        vocab = self.engine.target.config.vocab_size
+        if (isinstance(prompt, list) and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
+            return list(prompt)
+        raise ApiError(400, f"'prompt' must be a non-empty string or a list of token ids in [0, {vocab})", "prompt")
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+                raise ApiError(400, f"messages[{i}] must be an object with role system, user or assistant",
+                               "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ApiError(400, f"messages[{i}].content parts must be text parts", "messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            clean.append({"role": role, "content": content})
+        try:
+            return self.engine.encode_chat(clean)
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def run(self, request: Request, row, endpoint: str):
+        """Submit and yield (delta text, handle) as tokens are accepted; cancels on disconnect."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(h):
+            loop.call_soon_threadsafe(events.put_nowait, h)
+
+        try:
+            handle = self.scheduler.submit(row, on_event)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), kind="rate_limit_error") from None
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc), kind="server_error") from None
+        except BlockdraftError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            while True:
+                try:
+                    h = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError from None
+                    continue
+                if h.error:
+                    raise ApiError(500, h.error, kind="server_error")
+                while not events.empty():
+                    events.get_nowait()
+                delta = self.engine.text_delta(row, h.state)
+                ended = h.done
+                yield delta, h, ended
+                if ended:
+                    return
+        finally:
+            self.scheduler.cancel(handle)  # a no-op once finished; frees the slot otherwise
+
+    def usage(self, h) -> dict:
+        p, c = len(h.row.request.prompt_ids), len(h.state.output_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    @staticmethod
+    def finish_reason(h) -> str:
+        return "abort" if h.cancelled and not h.state.finished else (h.state.finish_reason or "length")
+
+
+def create_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        server.scheduler.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown, server.shutdown_grace)
+
+    app = FastAPI(title="blockdraft", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def authorize(request: Request):
+        if server.api_key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                               kind="authentication_error", code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(404)
+    async def not_found(_request, _exc):
+        return ApiError(404, "no such endpoint", code="not_found").response()
+
+    @app.exception_handler(405)
+    async def bad_method(_request, _exc):
+        return ApiError(405, "method not allowed for this endpoint").response()
+
+    @app.get("/health")
+    async def health():
+        ok = server.scheduler.thread.is_alive() and server.scheduler.accepting
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "blockdraft"}]}
+
+    async def generate(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            authorize(request)
+            body = await server.read_json(request)
+            server.check_model(body)
+            prompt_ids = server.chat_prompt(body) if chat else server.completion_prompt(body)
+            row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16)
+        except ApiError as exc:
+            server.metrics.observe_request(endpoint, exc.status)
+            raise
+        row.request.prompt_ids = prompt_ids
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": server.model_name}
+
+        def choice(delta: str, finish):
+            if chat:
+                return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                        "finish_reason": finish}
+            return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+
+        if stream:
+            gen = server.run(request, row, endpoint)
+            try:  # errors that come before the first token (queue full, ...) still get a status code
+                first = await gen.__anext__()
+            except ApiError as exc:
+                server.metrics.observe_request(endpoint, exc.status)
+                raise
+
+            async def events():
+                handle = None
+                try:
+                    if chat:
+                        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}]})
+                    item = first
+                    while True:
+                        delta, handle, ended = item
+                        if delta:
+                            yield _sse({**base, "choices": [choice(delta, None)]})
+                        if ended:
+                            break
+                        item = await gen.__anext__()
+                    yield _sse({**base, "choices": [choice("", server.finish_reason(handle))]})
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": server.usage(handle)})
+                    yield "data: [DONE]\n\n"
+                    server.metrics.observe_request(endpoint, 200, handle)
+                except ApiError as exc:
+                    yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": None}})
+                    server.metrics.observe_request(endpoint, exc.status)
+                finally:
+                    await gen.aclose()
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        text, handle = "", None
+        try:
+            async for delta, handle, _ended in server.run(request, row, endpoint):
+                text += delta
+        except ApiError as exc:
+            server.metrics.observe_request(endpoint, exc.status)
+            raise
+        server.metrics.observe_request(endpoint, 200, handle)
+        finish = server.finish_reason(handle)
+        if chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": finish}]
+        else:
+            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": server.model_name, "choices": choices, "usage": server.usage(handle)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

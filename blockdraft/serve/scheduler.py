@@ -1,0 +1,253 @@
+"""The server's scheduler: one thread drives a `DecodeLoop` with continuous batching.
+
+Requests wait in a bounded queue; between two verify steps the scheduler drops
+cancelled requests, prefills waiting ones into free slots, runs one step over the
+running batch and hands every request its newly accepted tokens at once. The
+speculation policy picks each step's block size from the running batch size.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..decode import DecodeLoop, SequenceState
+from ..engine import Engine
+from ..errors import BlockdraftError
+
+
+class QueueFull(BlockdraftError):
+    """The waiting queue is at its bound: the caller should answer 429."""
+
+
+class ShuttingDown(BlockdraftError):
+    """The server no longer takes requests."""
+
+
+@dataclass
+class Handle:
+    """One request's life in the scheduler. `on_event(handle)` is called from the
+    scheduler thread whenever tokens were accepted or the request ended."""
+
+    id: int
+    row: object  # engine._Row: the Request plus its stop strings
+    on_event: Callable[["Handle"], None]
+    state: SequenceState = field(default_factory=SequenceState)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state.finished or self.cancelled or self.error is not None
+
+
+class SpeculationPolicy:
+    """Chooses the block size of each step from the running batch size.
+
+    It keeps the measured seconds of a step per (batch size, block size) and the
+    per-position acceptance rates of the drafter, and picks the block size with the
+    most expected tokens per second: batch * E[tokens per row | B] / t(batch, B), where
+    E[tokens | B] = 1 + sum_k prod_{j<=k} p_j. Untried block sizes are tried once per
+    batch size; afterwards a small fraction of steps re-measures a neighbour.
+    """
+
+    def __init__(self, max_block: int, adaptive: bool = True, explore: float = 0.05, seed: int = 0):
+        self.max_block = max_block
+        self.adaptive = adaptive and max_block > 1
+        self.choices = sorted({1, *[b for b in (2, 4, 8, 16) if b < max_block], max_block}) if max_block > 1 else [1]
+        self.explore = explore
+        self.rng = random.Random(seed)
+        self.cost: dict[tuple[int, int], float] = {}  # EMA of step seconds
+        self.reached = [0] * max_block  # per draft position k (1-based index k-1): drafted there
+        self.accepted = [0] * max_block  # ... and accepted
+
+    def expected_tokens(self, block: int) -> float:
+        total, alive = 1.0, 1.0
+        for k in range(1, block):
+            p = (self.accepted[k - 1] + 1) / (self.reached[k - 1] + 2)
+            alive *= p
+            total += alive
+        return total
+
+    def choose(self, batch: int) -> int:
+        if not self.adaptive:
+            return self.max_block
+        untried = [b for b in self.choices if (batch, b) not in self.cost]
+        if untried:
+            return untried[-1]  # longest first: that is the default behaviour
+        best = max(self.choices, key=lambda b: self.expected_tokens(b) / self.cost[(batch, b)])
+        if self.rng.random() < self.explore:
+            i = self.choices.index(best) + self.rng.choice((-1, 1))
+            return self.choices[min(max(i, 0), len(self.choices) - 1)]
+        return best
+
+    def record(self, batch: int, block: int, seconds: float, outcomes: list[tuple[int, int]]):
+        key = (batch, block)
+        self.cost[key] = seconds if key not in self.cost else 0.8 * self.cost[key] + 0.2 * seconds
+        for accepted, drafted in outcomes:
+            for k in range(1, min(drafted, accepted + 1) + 1):
+                self.reached[k - 1] += 1
+                self.accepted[k - 1] += k <= accepted
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
+                 max_model_len: int = 2048, block_size: int | None = None, adaptive: bool = True,
+                 metrics=None):
+        self.engine, self.method = engine, method
+        self.proposer = engine.proposer(method)
+        trained = self.proposer.max_block_size or 1
+        block = min(block_size or self.proposer.default_block_size or trained, trained)
+        if self.proposer.max_block_size is not None and block < 2:
+            raise BlockdraftError(f"--block-size must be at least 2 for {method}")
+        self.max_model_len = max_model_len
+        self.loop = DecodeLoop(engine.target, self.proposer, max(block, 2) if trained > 1 else 1,
+                               max_batch, max_model_len + max(block, 1))
+        self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive)
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self.running: dict[int, Handle] = {}
+        self.cond = threading.Condition()
+        self.accepting = True
+        self.stopping = False
+        self.ids = itertools.count()
+        self.thread = threading.Thread(target=self._run, name="blockdraft-scheduler", daemon=True)
+        self.last_block = self.loop.block_size
+
+    # ---- public, any thread ----------------------------------------------------------
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, row, on_event: Callable[[Handle], None]) -> Handle:
+        req = row.request
+        if len(req.prompt_ids) + req.max_new_tokens > self.max_model_len:
+            raise BlockdraftError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_new_tokens}) "
+                                  f"exceeds the server's context of {self.max_model_len} tokens")
+        with self.cond:
+            if not self.accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            handle = Handle(next(self.ids), row, on_event)
+            self.waiting.append(handle)
+            self.cond.notify()
+        return handle
+
+    def cancel(self, handle: Handle):
+        """Stop a request (e.g. its client went away); its slot is freed before the next step."""
+        with self.cond:
+            if not handle.done:
+                handle.cancelled = True
+                self.cond.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    def shutdown(self, grace: float = 30.0):
+        """Stop accepting; let running and queued requests finish for up to `grace`
+        seconds, then cancel what is left and stop the thread."""
+        with self.cond:
+            self.accepting = False
+            self.cond.notify()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with self.cond:
+                if not self.waiting and not self.running:
+                    break
+            time.sleep(0.05)
+        with self.cond:
+            for h in list(self.waiting) + list(self.running.values()):
+                h.cancelled = True
+            self.stopping = True
+            self.cond.notify()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+
+    # ---- the scheduler thread --------------------------------------------------------
+
+    def _run(self):
+        torch.set_grad_enabled(False)
+        while True:
+            with self.cond:
+                while not self.stopping and not self.waiting and not self.running:
+                    self.cond.wait()
+                if self.stopping:
+                    for h in list(self.waiting) + list(self.running.values()):
+                        self._finish(h)
+                    self.waiting.clear()
+                    return
+                for h in [h for h in self.running.values() if h.cancelled]:
+                    self.loop.release(h.id)
+                    del self.running[h.id]
+                    self._finish(h)
+                while self.waiting and self.waiting[0].cancelled:
+                    self._finish(self.waiting.popleft())
+                admit = []
+                while self.waiting and len(admit) < len(self.loop.free_slots):
+                    h = self.waiting.popleft()
+                    if h.cancelled:
+                        self._finish(h)
+                    else:
+                        admit.append(h)
+            try:
+                self._advance(admit)
+            except Exception as exc:  # a bug must not hang every client: fail the batch, keep serving
+                for h in admit + list(self.running.values()):
+                    h.error = f"internal error: {type(exc).__name__}: {exc}"
+                    self.loop.release(h.id)
+                    self._finish(h)
+                self.running.clear()
+
+    def _advance(self, admit: list[Handle]):
+        if admit:
+            for h in admit:
+                self.running[h.id] = h
+            new = self.loop.admit([(h.id, h.row.request, h.state) for h in admit])
+            self._deliver(new)
+        if not self.running:
+            return
+        batch = len(self.running)
+        block = self.policy.choose(batch)
+        self.last_block = block
+        step = self.loop.step(block)
+        outcomes = [self.running[k].state.accepted_per_step[-1] for k in step.new_ids if k in self.running]
+        self.policy.record(batch, block, step.total_seconds, outcomes)
+        if self.metrics is not None:
+            self.metrics.observe_step(batch, block, outcomes)
+        self._deliver(step.new_ids)
+
+    def _deliver(self, new_ids: dict):
+        now = time.perf_counter()
+        for key in new_ids:
+            h = self.running.get(key)
+            if h is None:
+                continue
+            if h.first_token_at is None and h.state.output_ids:
+                h.first_token_at = now
+            if h.state.finished:
+                self.loop.release(key)
+                del self.running[key]
+                self._finish(h)
+            else:
+                h.on_event(h)
+
+    def _finish(self, h: Handle):
+        h.finished_at = time.perf_counter()
+        h.on_event(h)

@@ -1,0 +1,324 @@
+"""`blockdraft serve` against a real server process on loopback, with the official client.
+
+The oracle for every greedy answer is offline `Engine.generate` on the same weights.
+"""
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdraft.decode import Request
+from blockdraft.engine import Engine
+from blockdraft.serve.client import ServerProcess, stream_chat
+from blockdraft.serve.scheduler import Scheduler, SpeculationPolicy
+
+from .test_decode import RiggedProposer
+
+KEY = "test-key"
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, random_drafter):
+    path = tmp_path_factory.mktemp("drafts") / "random"
+    random_drafter.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(draft_dir):
+    s = ServerProcess("--draft", str(draft_dir), "--api-key", KEY, "--max-tokens", str(MAX_TOKENS),
+                      "--max-batch", "8", "--max-queue", "64", "--max-model-len", "1024",
+                      "--served-model-name", "smol", "--block-size", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(draft_dir):
+    return Engine.load(draft=draft_dir)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def offline(engine, prompt, chat=True, n=MAX_TOKENS):
+    return engine.generate(prompt, chat=chat, method="dflash", max_new_tokens=n, block_size=8)
+
+
+def post(server, path, body=None, content=None, headers=None, key=KEY):
+    h = {"Authorization": f"Bearer {key}", **(headers or {})}
+    if content is None:
+        content = json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json", **h},
+                      timeout=300)
+
+
+def test_openai_client_completions_chat_and_streaming(client, engine):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    prompt = "Give me three tips for sleeping better."
+    ref = offline(engine, prompt)
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == ref.text
+    assert chat.usage.completion_tokens == ref.num_output_tokens
+    assert chat.usage.prompt_tokens == ref.num_prompt_tokens
+    assert chat.choices[0].finish_reason == ref.finish_reason
+
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == ref.text and finish == ref.finish_reason
+    assert sum(1 for p in pieces if p) > 1  # streamed in pieces, not in one go
+
+    raw = "def quicksort(arr):"
+    ref = offline(engine, raw, chat=False, n=20)
+    out = client.completions.create(model="smol", prompt=raw, max_tokens=20, temperature=0)
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == ref.num_output_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smol", prompt=raw, max_tokens=20, temperature=0, stream=True) if c.choices)
+    assert streamed == ref.text
+    # stop strings and seeded sampling
+    stopped = client.completions.create(model="smol", prompt=raw, max_tokens=20, temperature=0, stop=["\n"])
+    assert stopped.choices[0].text == ref.text.split("\n")[0] and stopped.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model="smol", prompt=raw, max_tokens=12, temperature=1.0, seed=7)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+    sampled = engine.generate(raw, method="dflash", max_new_tokens=12, temperature=1.0, seed=7, block_size=8)
+    assert a.choices[0].text == sampled.text
+
+
+def _stream_chat(server, prompt, max_tokens, out, i):
+    r = stream_chat(server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens, api_key=KEY,
+                    model="smol")
+    assert r["status"] == 200, r
+    out[i] = (r["text"], r["finish_reasons"], r["done"])
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_equal_offline_greedy(server, engine):
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+    refs = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=16, block_size=8)
+    out = {}
+    threads = [threading.Thread(target=_stream_chat, args=(server, p, 16, out, i)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ref in enumerate(refs):
+        text, finishes, done = out[i]
+        assert done and finishes == [ref.finish_reason], i
+        assert text == ref.text, f"stream {i}: {text!r} != {ref.text!r}"
+
+
+def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
+    prompt = "Explain what a hash table is to a ten-year-old."
+    ref = offline(engine, prompt)
+    out = {}
+    background = [threading.Thread(target=_stream_chat, args=(server, f"Count to {i + 5}.", MAX_TOKENS, out, i))
+                  for i in range(16)]
+    for t in background:
+        t.start()
+    time.sleep(0.5)
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    for t in background:
+        t.join()
+    assert chat.choices[0].message.content == ref.text
+    assert len(out) == 16 and all(done and len(f) == 1 for _t, f, done in out.values())
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "blockdraft_acceptance_length_bucket" in metrics
+    assert 'blockdraft_spec_drafted_tokens_total{position="1"}' in metrics
+    assert "blockdraft_time_to_first_token_seconds_count" in metrics
+    assert "blockdraft_running_batch_size" in metrics and "blockdraft_queue_depth" in metrics
+    served = [line for line in metrics.splitlines() if line.startswith('blockdraft_requests_total{endpoint="chat"'
+                                                                      ',status="200"}')]
+    assert served and float(served[0].split()[-1]) >= 17
+
+
+BAD = [
+    (b"{not json", 400),
+    (b"\xff\xfe\x00garbage", 400),
+    (json.dumps([1, 2]).encode(), 400),
+    (json.dumps({"messages": []}).encode(), 400),
+    (json.dumps({"messages": "hi"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 12}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_p": 0}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [""]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}).encode(), 404),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 20000}]}).encode(), 400),
+]
+
+
+def test_bad_input_gets_openai_errors(server):
+    for body, status in BAD:
+        r = post(server, "/v1/chat/completions", content=body)
+        assert r.status_code == status, (body[:60], r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    for body in ({"prompt": ""}, {"prompt": [10 ** 9]}, {"prompt": {"a": 1}}, {}):
+        assert post(server, "/v1/completions", body).status_code == 400
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    assert post(server, "/v1/completions", content=big).status_code == 413
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key="wrong").status_code == 401
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/nothing-here").status_code in (401, 404)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
+                       lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                                                 max_size=4), max_leaves=10)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n",
+          "max_completion_tokens", "top_k", "stream_options"]
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
+                                 "content": st.text(max_size=30) | JSONISH})
+BODY = st.dictionaries(st.sampled_from(FIELDS), JSONISH | st.lists(MESSAGE, max_size=3), max_size=6)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=BODY, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       raw=st.none() | st.binary(max_size=64))
+def test_random_bodies_never_5xx(server, body, path, raw):
+    if isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_tokens"), bool):
+        body["max_tokens"] = min(body["max_tokens"], 4)  # keep accepted requests short
+    body.setdefault("max_tokens", 4)
+    content = raw if raw is not None else json.dumps(body, allow_nan=True).encode()
+    r = post(server, path, content=content)
+    assert r.status_code < 500, (content[:200], r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+@pytest.mark.slow
+def test_server_still_correct_after_fuzzing(server, client, engine):
+    """Runs after the property test (file order): the server answers correctly."""
+    prompt = "List the planets of the solar system in order from the sun."
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == offline(engine, prompt).text
+
+
+def test_queue_bound_disconnect_and_graceful_shutdown(draft_dir):
+    s = ServerProcess("--draft", str(draft_dir), "--max-batch", "1", "--max-queue", "1", "--max-tokens", "400",
+                      "--block-size", "4", "--shutdown-grace", "60")
+    try:
+        long = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+        # a client that disconnects after the first chunk frees its slot
+        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as r:
+            next(r.iter_lines())
+        t0 = time.time()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert time.time() - t0 < 15, "the disconnected stream kept its slot"
+        # one running + one waiting: the next requests get 429 at once
+        results = {}
+
+        def send(i):
+            results[i] = httpx.post(s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 60},
+                                    timeout=300)
+
+        workers = [threading.Thread(target=send, args=(i,)) for i in range(5)]
+        for w in workers:
+            w.start()
+            time.sleep(0.3)
+        for w in workers:
+            w.join()
+        codes = sorted(r.status_code for r in results.values())
+        assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
+        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in results.values()
+                   if r.status_code == 200)
+        # graceful shutdown: an in-flight request still completes
+        holder = {}
+        w = threading.Thread(target=lambda: holder.setdefault("r", httpx.post(
+            s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 40}, timeout=300)))
+        w.start()
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGTERM)
+        w.join()
+        assert holder["r"].status_code == 200
+        assert holder["r"].json()["usage"]["completion_tokens"] == 40
+        # uvicorn re-raises the signal once it has shut down cleanly: killed by SIGTERM, no traceback
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = s.proc.stdout.read().decode(errors="replace")
+        assert "Traceback" not in log, log
+    finally:
+        s.stop()
+
+
+def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, random_drafter, chat_ids):
+    """In process: requests joining a running batch at different steps, with a drafter
+    rigged to propose the true continuation (whole blocks accepted) - same tokens."""
+    from blockdraft.decode import generate_steps
+    from blockdraft.proposers import Proposer
+
+    n = 20
+    prompts = chat_ids[:6]
+    truths = []
+    for ids in prompts:
+        states = []
+        for _ in generate_steps(smol, Proposer(), [Request(ids, n, stop_token_ids=(2,))], 1, states):
+            pass
+        truths.append(states[0].output_ids)
+    engine = Engine(smol, tokenizer, random_drafter)
+    sched = Scheduler(engine, method="dflash", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
+
+    class SlotRigged(RiggedProposer):  # truths follow the request each slot serves
+        def propose(self, last_tokens, positions, n_, rows=slice(None)):
+            which = [prompts.index(r.prompt_ids) if r is not None else None for r in sched.loop.requests]
+            self.truths = [truths[i] if i is not None else [] for i in which]
+            self.prompt_lens = [len(prompts[i]) if i is not None else 0 for i in which]
+            return super().propose(last_tokens, positions, n_, rows)
+
+    sched.proposer = sched.loop.proposer = SlotRigged(random_drafter, smol, [], [], perfect=True)
+    sched.loop.proposer.reset(sched.loop.slots, sched.loop.max_len)
+    sched.start()
+    handles = []
+    for i, ids in enumerate(prompts):
+        handles.append(sched.submit(engine.make_row(ids, n), lambda h: None))
+        time.sleep(0.05 * i)
+    deadline = time.time() + 120
+    while not all(h.done for h in handles) and time.time() < deadline:
+        time.sleep(0.05)
+    sched.shutdown(grace=5)
+    for h, truth in zip(handles, truths):
+        assert h.state.output_ids == truth
+        assert max(h.state.acceptance_lengths) == 8  # whole blocks were accepted
+
+
+def test_speculation_policy_prefers_short_blocks_when_verify_is_costly():
+    p = SpeculationPolicy(8, explore=0.0)
+    for _ in range(50):  # every draft position accepted half of the time
+        p.record(2, 8, 1.0, [(0, 7), (1, 7), (2, 7), (7, 7)])
+    tau8 = p.expected_tokens(8)
+    assert 1.5 < tau8 < 3.5 and p.expected_tokens(1) == 1.0
+    for b in p.choices:  # batch 1: verify cost flat -> long blocks; batch 16: cost grows with block
+        p.record(1, b, 0.05, [])
+        p.record(16, b, 0.05 * b, [])
+    assert p.choose(1) == 8
+    assert p.choose(16) == 1
+    fixed = SpeculationPolicy(8, adaptive=False)
+    assert fixed.choose(16) == 8
