@@ -12,6 +12,7 @@ from .errors import BlockdraftError
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--target", help="local HF model folder (default: SmolLM2-135M-Instruct, converted once)")
     p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
+    p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3, for comparisons)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on CUDA, fp32 on CPU")
 
@@ -33,7 +34,8 @@ def _load_engine(args, method: str):
     from .engine import Engine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype, use_draft=method.startswith("dflash"))
+    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype, use_draft=method.startswith("dflash"),
+                       eagle=args.eagle)
 
 
 def _sampling_kwargs(args) -> dict:
@@ -181,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=["dflash", "ar", "lookup"], default="dflash",
-                   help="dflash (the drafter), ar (no speculation), lookup (prompt n-gram drafts)")
+    g.add_argument("--method", choices=["dflash", "ar", "lookup", "eagle3"], default="dflash",
+                   help="dflash (the drafter), ar (no speculation), lookup (prompt n-gram drafts), "
+                        "eagle3 (the EAGLE-3-style baseline given by --eagle)")
     g.add_argument("--json", action="store_true", help="print one JSON object (the stable contract)")
     _add_model_args(g)
     _add_sampling_args(g)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--dataset", help="humaneval | mtbench | sharegpt-valid (comma-separated for several)")
     src.add_argument("--prompts", help='JSON lines {"turns": [...]}')
     b.add_argument("--methods", default="ar,dflash",
-                   help="comma-separated: ar, hf, hf-lookup[@B], lookup[@B], dflash[@B]")
+                   help="comma-separated: ar, hf, hf-lookup[@B], lookup[@B], eagle3[@B] (needs --eagle), dflash[@B]")
     b.add_argument("--repeats", type=int, default=1, help="runs of every prompt per method (medians, spread)")
     b.add_argument("--check-distribution", type=int, default=0, metavar="N",
                    help="with N > 0: compare the first tokens of N seeded samples per method with ar's (T=1 "

@@ -227,24 +227,18 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.config = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        # DFlash injects the context into every layer. "input" (an ablation, blockdraft-only
-        # checkpoints) gives it to the first layer alone, like feeding it at the input.
-        mode = cfg.extra.get("blockdraft", {}).get("context_mode", "kv")
-        self.context_layers = cfg.num_hidden_layers if mode == "kv" else 1
-        # Optional draft vocabulary (blockdraft extension, as in EAGLE-3): the drafter scores
-        # only these target token ids, which makes its LM head (the bulk of its cost) smaller.
-        size = cfg.extra.get("blockdraft", {}).get("draft_vocab_size")
-        if size:
-            self.register_buffer("draft_vocab", torch.arange(int(size)))
+class DrafterBase(nn.Module):
+    """What every drafter kind shares: initialisation and the optional draft vocabulary."""
+
+    def reset_parameters(self, std: float = 0.02):
+        """The initialisation used for training: N(0, std) projections, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.ones_(p)
+            elif p.dim() == 2:
+                torch.nn.init.normal_(p, std=std)
+            else:
+                torch.nn.init.zeros_(p)
 
     def set_draft_vocab(self, token_ids):
         """Fix the draft vocabulary (sorted, unique target ids; its size is the config's)."""
@@ -266,15 +260,50 @@ class DFlashDrafter(nn.Module):
         vocab = getattr(self, "draft_vocab", None)
         return best if vocab is None else vocab[best]
 
-    def reset_parameters(self, std: float = 0.02):
-        """The initialisation used for training: N(0, std) projections, unit norms."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                torch.nn.init.ones_(p)
-            elif p.dim() == 2:
-                torch.nn.init.normal_(p, std=std)
-            else:
-                torch.nn.init.zeros_(p)
+    def register_draft_vocab(self, size: int | None):
+        if size:
+            self.register_buffer("draft_vocab", torch.arange(int(size)))
+
+
+def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: torch.dtype | None = None):
+    """Write `config.json` + `model.safetensors` atomically: a temp folder, then a rename (the
+    old folder is kept until the new one is in place). Floating tensors are cast to `dtype`."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    weights = {k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in state.items()}
+    floating = [v.dtype for v in weights.values() if v.is_floating_point()]
+    config = dict(config, dtype=str(floating[0] if floating else torch.float32).removeprefix("torch."))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    old = None
+    if folder.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+        os.rmdir(old)
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class DFlashDrafter(DrafterBase):
+    kind = "dflash"
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # DFlash injects the context into every layer. "input" (an ablation, blockdraft-only
+        # checkpoints) gives it to the first layer alone, like feeding it at the input.
+        mode = cfg.extra.get("blockdraft", {}).get("context_mode", "kv")
+        self.context_layers = cfg.num_hidden_layers if mode == "kv" else 1
+        # Optional draft vocabulary (blockdraft extension, as in EAGLE-3): the drafter scores
+        # only these target token ids, which makes its LM head (the bulk of its cost) smaller.
+        self.register_draft_vocab(cfg.extra.get("blockdraft", {}).get("draft_vocab_size"))
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
                 context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,
@@ -352,47 +381,41 @@ class DFlashDrafter(nn.Module):
 
     def save(self, folder: str | Path, dtype: torch.dtype | None = None):
         """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        config = self.config.to_dict()
-        weights = {k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
-                   for k, v in self.state_dict().items()}
-        config["dtype"] = str(self.fc.weight.dtype if dtype is None else dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        old = None
-        if folder.exists():  # keep the old checkpoint until the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-            os.rmdir(old)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
-        raw = json.loads((folder / "config.json").read_text())
-        if raw.get("architectures", ["DFlashDraftModel"])[0] != "DFlashDraftModel":
-            raise BlockdraftError(f"{folder}: not a DFlash drafter (architectures={raw.get('architectures')})")
-        cfg = DraftConfig.from_dict(raw)
-        if not (folder / "model.safetensors").is_file():
-            raise BlockdraftError(f"{folder}: no model.safetensors")
-        weights = load_file(str(folder / "model.safetensors"))
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
-        with torch.device("meta"):
-            model = cls(cfg)
-        expected = set(model.state_dict())
-        missing, unexpected = expected - weights.keys(), weights.keys() - expected
-        if missing or unexpected:
-            raise BlockdraftError(f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
-                                  f"unexpected {sorted(unexpected)[:4]})")
-        device = torch.device(device or "cpu")
-        dtype = dtype or torch.float32
-        model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-                               for k, v in weights.items()}, assign=True)
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
-        return model.eval()
+        cfg = DraftConfig.from_dict(read_config(folder, "DFlashDraftModel"))
+        return load_weights(cls, cfg, folder, device, dtype)
+
+
+def read_config(folder: str | Path, architecture: str) -> dict:
+    """A drafter folder's config.json, checked to be of `architecture`."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
+    raw = json.loads((folder / "config.json").read_text())
+    found = (raw.get("architectures") or [architecture])[0]
+    if found != architecture:
+        raise BlockdraftError(f"{folder}: a {found}, not a {architecture}")
+    return raw
+
+
+def load_weights(cls, cfg, folder: str | Path, device=None, dtype: torch.dtype | None = None):
+    """Build `cls(cfg)` without allocating, then assign the folder's weights (checked by name)."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").is_file():
+        raise BlockdraftError(f"{folder}: no model.safetensors")
+    weights = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - weights.keys(), weights.keys() - expected
+    if missing or unexpected:
+        raise BlockdraftError(f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
+                              f"unexpected {sorted(unexpected)[:4]})")
+    device, dtype = torch.device(device or "cpu"), dtype or torch.float32
+    model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                           for k, v in weights.items()}, assign=True)
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
+    return model.eval()

@@ -24,12 +24,12 @@ from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, eos_token_ids, load_target, load_tokenizer
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
-from .proposers import DFlashProposer, LookupProposer, Proposer
+from .proposers import DFlashProposer, EagleProposer, LookupProposer, Proposer
 from .sampling import SamplingParams
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 SHIPPED_DRAFTS = {DEFAULT_TARGET_NAME: REPO_MODELS / "smollm2-135m-instruct-dflash"}
-METHODS = ("dflash", "ar", "lookup")
+METHODS = ("dflash", "ar", "lookup", "eagle3")
 
 
 @dataclass
@@ -71,8 +71,11 @@ def default_device() -> tuple[torch.device, torch.dtype]:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
-                 target_name: str = "", draft_note: str | None = None):
+                 target_name: str = "", draft_note: str | None = None, eagle=None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
+        if eagle is not None:
+            eagle.check_target(target.config)
         self.target_name = target_name
         self.draft_note = draft_note  # why there is no drafter, when there is none
         if drafter is not None:
@@ -84,9 +87,11 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
-             device=None, dtype: torch.dtype | None = None, use_draft: bool = True) -> "Engine":
+             device=None, dtype: torch.dtype | None = None, use_draft: bool = True,
+             eagle: str | Path | None = None) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
-        (default: the one shipped for that target, if any). `use_draft=False` skips it."""
+        (default: the one shipped for that target, if any). `use_draft=False` skips it.
+        `eagle` names an EAGLE-3-style drafter folder (method "eagle3", for comparisons)."""
         dev, dt = default_device()
         device, dtype = torch.device(device or dev), dtype or dt
         folder = Path(target) if target else default_target_dir()
@@ -103,7 +108,12 @@ class Engine:
                             "or use --method ar")
             if draft is not None:
                 drafter = DFlashDrafter.load(draft, device, dtype)
-        return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note)
+        baseline = None
+        if eagle is not None:
+            from .eagle import EagleDrafter
+
+            baseline = EagleDrafter.load(eagle, device, dtype)
+        return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline)
 
     # ---- prompts -------------------------------------------------------------------
 
@@ -125,6 +135,10 @@ class Engine:
             return Proposer()
         if method == "lookup":
             return LookupProposer()
+        if method == "eagle3":
+            if self.eagle is None:
+                raise BlockdraftError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle DIR")
+            return EagleProposer(self.eagle, self.target)
         if method == "dflash":
             if self.drafter is None:
                 raise BlockdraftError(self.draft_note or "method dflash needs a drafter: pass --draft DIR")

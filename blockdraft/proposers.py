@@ -120,3 +120,77 @@ def lookup_continuation(seq, n: int, max_ngram: int, min_ngram: int) -> list[int
             start = int(hits[-1]) + k
             return seq[start: start + n].tolist()
     return []
+
+
+class EagleProposer(Proposer):
+    """Drafts a chain token by token with an EAGLE-3-style drafter (one layer, fed back its
+    own hidden state). Slot s of the drafter's cache holds the keys/values of input
+    (fused target feature at s, token s+1); draft slots follow the last committed one and
+    are overwritten once those positions are committed."""
+
+    name = "eagle3"
+
+    def __init__(self, drafter, target: Transformer):
+        drafter.check_target(target.config)
+        self.drafter, self.target = drafter, target
+        self.capture_layers = tuple(drafter.config.target_layer_ids)
+        self.max_block_size = drafter.config.block_size
+        self.batch = 0
+
+    def reset(self, batch, max_len):
+        d, dev, dt = self.drafter, self.target.device, self.target.dtype
+        if self.batch != batch or self.k.shape[2] < max_len + 1:
+            shape = (batch, d.kv_heads, max_len + 1, d.head_dim)
+            self.k, self.v = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
+            self.fused = torch.zeros(batch, max_len + 1, d.config.hidden_size, dtype=dt, device=dev)
+            self.tokens = torch.zeros(batch, max_len + 1, dtype=torch.long, device=dev)
+            self.batch = batch
+        self.done = torch.zeros(batch, dtype=torch.long, device=dev)  # slots [0, done) are in the cache
+
+    def observe(self, tokens, features, positions, rows=slice(None)):
+        index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.tokens[rows][index, positions] = tokens
+        self.fused[rows][index, positions] = self.drafter.fc(features)
+        done = self.done[rows]
+        done.copy_(torch.minimum(done, positions[:, 0]))  # a prefill restarts the row at 0
+
+    def propose(self, last_tokens, positions, n, rows=slice(None)):
+        d = self.drafter
+        b = last_tokens.shape[0]
+        index = torch.arange(b, device=last_tokens.device)[:, None]
+        tokens, fused, cache_k, cache_v, done = (self.tokens[rows], self.fused[rows], self.k[rows], self.v[rows],
+                                                 self.done[rows])
+        tokens[index[:, 0], positions] = last_tokens
+        # committed slots not yet in the cache: done .. p-1 (each needs token s+1 <= p)
+        width = int((positions - done).max())
+        if width > 0:
+            slots = torch.minimum(done[:, None] + torch.arange(width, device=done.device), positions[:, None] - 1)
+            _, k, v = d.qkv(self.target.embed(tokens[index, slots + 1]), fused[index, slots], slots)
+            cache_k.transpose(1, 2)[index, slots] = k.transpose(1, 2)
+            cache_v.transpose(1, 2)[index, slots] = v.transpose(1, 2)
+            done.copy_(positions)
+        drafts = last_tokens.new_zeros(b, n)
+        if n == 0:
+            return drafts
+        slot = positions - 1
+        hidden = fused[index[:, 0], slot][:, None]
+        token = last_tokens[:, None]
+        for j in range(n):
+            pos = (slot + j)[:, None]
+            q, k, v = d.qkv(self.target.embed(token), hidden, pos)
+            if j > 0:  # a draft slot (slot p-1, the first query, is already a committed one)
+                cache_k.transpose(1, 2)[index, pos] = k.transpose(1, 2)
+                cache_v.transpose(1, 2)[index, pos] = v.transpose(1, 2)
+            used = int(pos.max()) + 1
+            mask = (torch.arange(used, device=pos.device) <= pos)[:, None, None, :]
+            hidden = d.finish(hidden, q, cache_k[:, :, :used], cache_v[:, :, :used], mask)
+            token = d.draft_tokens(d.norm(hidden), self.target.lm_head.weight)
+            drafts[:, j] = token[:, 0]
+        return drafts
+
+
+def proposer_for(drafter, target: Transformer) -> Proposer:
+    """The proposer that drives a drafter of this kind (DFlash or EAGLE-3 style)."""
+    if getattr(drafter, "kind", "dflash") == "eagle3":
+        return EagleProposer(drafter, target)
+    return DFlashProposer(drafter, target)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import blockdraft.train.blocks as blocks_mod
-from blockdraft.decode import Request, generate_steps
+from blockdraft.decode import DecodeLoop, Request, SequenceState, generate_steps
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Proposer
@@ -246,3 +246,62 @@ def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 13))
     assert records[-1]["loss"] < records[0]["loss"]
     assert "tau" in records[-1] and records[-1]["tau"] >= 1.0
+
+
+def test_eagle_training_forward_equals_the_decode_chain(tiny_corpus):
+    """The EAGLE baseline's training-time-test forward (mask, positions, fed-back hidden
+    states) reproduces exactly the chain its proposer drafts in the decode loop."""
+    from blockdraft.eagle import EagleConfig, EagleDrafter
+    from blockdraft.proposers import EagleProposer
+
+    _, target, prompts, answers = tiny_corpus
+    torch.manual_seed(3)
+    drafter = EagleDrafter(EagleConfig.for_target(target.config, block_size=5, target_layer_ids=[1, 3])).eval()
+    drafter.reset_parameters(0.2)
+    seq = prompts[0] + answers[0]
+    anchors = [len(prompts[0]) + 2, len(prompts[0]) + 9]
+    with torch.no_grad():
+        target.ensure_caches(1, len(seq) + 8)
+        _, feats = target(torch.tensor([seq]), torch.arange(len(seq))[None], (1, 3))
+        for a in anchors:
+            proposer = EagleProposer(drafter, target)
+            # prefill x_0 .. x_{a-1} through the loop's own machinery, then draft 4 tokens after x_a
+            loop = DecodeLoop(target, proposer, 5, 1, len(seq) + 8)
+            loop.admit([(0, Request(seq[:a], 1), SequenceState())])
+            drafts = proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), 4)[0].tolist()
+            teacher = torch.tensor([[[seq[a]] + drafts[:3]]])
+            hidden = drafter(target.embed, torch.tensor([seq]), feats, torch.tensor([[a]]), teacher)
+            chain = drafter.draft_tokens(hidden[0, 1:], target.lm_head.weight).tolist()
+            assert chain == drafts, (a, chain, drafts)
+
+
+def test_draft_vocabulary_covers_the_answers_and_survives_a_round_trip(tiny_corpus, tmp_path):
+    root, _, prompts, answers = tiny_corpus
+    trainer = Trainer(tiny_config(root, tmp_path / "run", draft_vocab=40))
+    vocab = set(trainer.drafter.draft_vocab.tolist())
+    answer_tokens = {t for a in answers for t in a}
+    assert len(vocab) == 40 and (answer_tokens <= vocab or len(answer_tokens) > 40)
+    check_forward_consistency(trainer)
+    trainer.drafter.save(tmp_path / "d", dtype=torch.float16)
+    back = DFlashDrafter.load(tmp_path / "d")
+    assert torch.equal(back.draft_vocab, trainer.drafter.draft_vocab) and back.draft_vocab.dtype == torch.long
+    h = torch.randn(3, trainer.drafter.config.hidden_size)
+    ids = back.draft_tokens(h, trainer.target.lm_head.weight)
+    assert set(ids.tolist()) <= vocab
+
+
+@pytest.mark.slow
+def test_overfit_eagle_drafter_accepts_long_chains(tiny_corpus, tmp_path):
+    from blockdraft.eagle import EagleDrafter
+    from blockdraft.proposers import EagleProposer
+
+    root, _, prompts, _ = tiny_corpus
+    trainer = Trainer(tiny_config(root, tmp_path / "run", arch="eagle3", max_steps=200, save_every=10_000,
+                                  log_every=50))
+    trainer.run()
+    drafter = EagleDrafter.load(tmp_path / "run" / "drafter")
+    states = []
+    list(generate_steps(trainer.target, EagleProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]],
+                        4, states))
+    lengths = [a for s in states for a in s.acceptance_lengths]
+    assert sum(lengths) / len(lengths) >= 3.0

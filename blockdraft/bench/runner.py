@@ -5,6 +5,7 @@ Methods:
   hf            HF transformers `generate` on the same weights
   hf-lookup[@B] HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1, default 10)
   lookup[@B]    our prompt-lookup (n-gram) drafter, verified by our loop (default B = 4)
+  eagle3[@B]    the EAGLE-3-style baseline drafter (--eagle DIR), a chain of B-1 drafts
   dflash[@B]    the DFlash drafter at its trained block size, or at block size B
 
 Each prompt's turns run as a conversation: a later turn follows the method's own
@@ -51,25 +52,30 @@ def load_prompts(dataset: str | None, prompts_file: str | None, max_samples: int
 @dataclass
 class Method:
     name: str
-    kind: str  # ar | lookup | dflash | hf | hf-lookup
+    kind: str  # ar | lookup | eagle3 | dflash | hf | hf-lookup
     block: int | None
 
     @property
     def speculative(self) -> bool:
-        return self.kind in ("lookup", "dflash")
+        return self.kind in ("lookup", "eagle3", "dflash")
 
 
 def parse_method(name: str, engine) -> Method:
-    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'dflash[@B]' -> Method."""
+    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' -> Method."""
     base, _, block = name.partition("@")
-    if base not in ("ar", "hf", "hf-lookup", "lookup", "dflash") or (block and base in ("ar", "hf")):
-        raise BlockdraftError(f"unknown method {name!r}; use ar, hf, hf-lookup[@B], lookup[@B] or dflash[@B]")
+    if base not in ("ar", "hf", "hf-lookup", "lookup", "eagle3", "dflash") or (block and base in ("ar", "hf")):
+        raise BlockdraftError(f"unknown method {name!r}; use ar, hf, hf-lookup[@B], lookup[@B], eagle3[@B] "
+                              "or dflash[@B]")
     if block and not block.isdigit():
         raise BlockdraftError(f"{name!r}: the block size after @ must be an integer")
     if base == "dflash" and engine.drafter is None:
         raise BlockdraftError(engine.draft_note or "dflash needs a drafter (--draft DIR)")
+    if base == "eagle3" and engine.eagle is None:
+        raise BlockdraftError("eagle3 needs an EAGLE-3-style drafter (--eagle DIR)")
     if base == "dflash":
         size = int(block) if block else engine.drafter.config.block_size
+    elif base == "eagle3":
+        size = int(block) if block else engine.eagle.config.block_size
     elif base in ("lookup", "hf-lookup"):
         size = int(block) if block else (4 if base == "lookup" else 11)
     else:

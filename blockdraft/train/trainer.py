@@ -28,7 +28,7 @@ from ..decode import Request, generate_steps
 from ..draft import DFlashDrafter, DraftConfig, loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
-from ..proposers import DFlashProposer
+from ..proposers import proposer_for
 from .blocks import IGNORE, build_blocks
 from .data import iter_samples
 
@@ -45,6 +45,7 @@ class TrainConfig:
     num_anchors: int = 32  # blocks per sequence
     anchor_mode: str = "random"  # random | fixed (block boundaries, for the ablation)
     gamma: float | None = None  # loss decay; None: the recipe's value for the block size; 0: no decay
+    arch: str = "dflash"  # dflash | eagle3 (the EAGLE-3-style baseline, same data and pipeline)
     context_mode: str = "kv"  # kv (inject in every layer) | input (first layer only, for the ablation)
     batch_size: int = 4  # sequences per step per process
     max_seq_len: int = 512
@@ -102,28 +103,42 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     return total / w.sum().clamp(min=1e-6), correct, count
 
 
-def init_from_target(drafter: DFlashDrafter, target, how: str):
+def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns: slice = slice(None)):
+    """Copy a target decoder layer into drafter modules (`columns` of the q/k/v input side)."""
+    q, k, v = theirs.self_attn.qkv_proj.weight.split([q_proj.out_features, k_proj.out_features,
+                                                      v_proj.out_features])
+    q_proj.weight[:, columns].copy_(q)
+    k_proj.weight[:, columns].copy_(k)
+    v_proj.weight[:, columns].copy_(v)
+    o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
+    gate, up = theirs.mlp.gate_up_proj.weight.split(theirs.mlp.hidden)
+    mlp.gate_proj.weight.copy_(gate)
+    mlp.up_proj.weight.copy_(up)
+    mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
+    post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+
+
+def init_from_target(drafter, target, how: str):
     """Warm start: copy the first or last N target layers' attention, MLP and norm weights into
-    the drafter's N layers (the drafter's extra q/k norms and its fc stay freshly initialised)."""
-    n, layers = len(drafter.layers), target.model.layers
+    the drafter's N layers (the DFlash drafter's extra q/k norms and every fc stay freshly
+    initialised; the EAGLE layer gets the target layer's q/k/v on its hidden-state half)."""
+    layers = target.model.layers
     if how not in ("target-first", "target-last"):
         raise BlockdraftError(f"--init must be random, target-first or target-last, not {how!r}")
-    source = layers[:n] if how == "target-first" else layers[len(layers) - n:]
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, source):
-            att, tatt = mine.self_attn, theirs.self_attn
-            q, k, v = tatt.qkv_proj.weight.split([att.heads * att.head_dim, att.kv_heads * att.head_dim,
-                                                  att.kv_heads * att.head_dim])
-            att.q_proj.weight.copy_(q)
-            att.k_proj.weight.copy_(k)
-            att.v_proj.weight.copy_(v)
-            att.o_proj.weight.copy_(tatt.o_proj.weight)
-            gate, up = theirs.mlp.gate_up_proj.weight.split(theirs.mlp.hidden)
-            mine.mlp.gate_proj.weight.copy_(gate)
-            mine.mlp.up_proj.weight.copy_(up)
-            mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
-            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        if getattr(drafter, "kind", "dflash") == "eagle3":
+            theirs = layers[0] if how == "target-first" else layers[-1]
+            h = drafter.config.hidden_size
+            _copy_layer(theirs, drafter.q_proj, drafter.k_proj, drafter.v_proj, drafter.o_proj, drafter.mlp,
+                        drafter.post_attention_layernorm, slice(h, 2 * h))
+            drafter.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
+        else:
+            n = len(drafter.layers)
+            for mine, theirs in zip(drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n:]):
+                att = mine.self_attn
+                _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp,
+                            mine.post_attention_layernorm)
+                mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
         if how == "target-last":
             drafter.norm.weight.copy_(target.model.norm.weight)
 
@@ -170,7 +185,16 @@ class Trainer:
         self._orders: dict[int, list[int]] = {}
         self.step = 0
         torch.manual_seed(cfg.seed)
-        self.drafter = DFlashDrafter(draft_cfg).to(self.device)
+        if cfg.arch == "eagle3":
+            from ..eagle import EagleConfig, EagleDrafter
+
+            self.drafter = EagleDrafter(EagleConfig.for_target(
+                self.target.config, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
+                draft_vocab_size=ours.get("draft_vocab_size"))).to(self.device)
+        elif cfg.arch == "dflash":
+            self.drafter = DFlashDrafter(draft_cfg).to(self.device)
+        else:
+            raise BlockdraftError(f"--arch must be dflash or eagle3, not {cfg.arch!r}")
         self.drafter.reset_parameters()
         if cfg.init != "random":
             init_from_target(self.drafter, self.target, cfg.init)
@@ -270,7 +294,15 @@ class Trainer:
             self.target.ensure_caches(n, width)
             positions = torch.arange(width, device=dev).expand(n, -1)
             _, features = self.target(tokens, positions, tuple(self.drafter.config.target_layer_ids))
-            noise = self.target.embed(batch.block_tokens.to(dev))
+            if self.cfg.arch == "eagle3":
+                b = self.cfg.block_size
+                anchors = batch.block_positions[:, ::b].to(dev)
+                later = batch.labels.view(n, -1, b)[:, :, 1:b - 1].clamp(min=0)  # x_{a+1} .. x_{a+B-2}
+                teacher = torch.cat([batch.block_tokens[:, ::b, None], later], dim=2).to(dev)
+            else:
+                noise = self.target.embed(batch.block_tokens.to(dev))
+        if self.cfg.arch == "eagle3":
+            return self.model(self.target.embed, tokens, features, anchors, teacher)
         return self.model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev))
 
     # ---- evaluation ------------------------------------------------------------------
@@ -283,7 +315,7 @@ class Trainer:
         self.drafter.eval()
         reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=self.stop_token_ids) for p in prompts]
         states = []
-        proposer = DFlashProposer(self.drafter, self.target)
+        proposer = proposer_for(self.drafter, self.target)
         for _ in generate_steps(self.target, proposer, reqs, self.cfg.block_size, states):
             pass
         self.drafter.train()
@@ -317,7 +349,7 @@ class Trainer:
         if saved != now:
             diff = sorted(k for k in now if saved.get(k) != now[k])
             raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
-        loaded = DFlashDrafter.load(ck / "drafter", self.device, torch.float32)
+        loaded = type(self.drafter).load(ck / "drafter", self.device, torch.float32)
         self.drafter.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
         self.step = state["step"]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: scheduler, HTTP app, metrics."""
