@@ -1,10 +1,12 @@
 """Ship a trained drafter for the default target: fp16 weights + a model card.
 
-    python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256]
+    python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
 
 Copies RUN_DIR/drafter into models/smollm2-135m-instruct-dflash/ (fp16), measures τ with
 `blockdraft bench` on HumanEval and MT-Bench first turns (greedy, the drafter's block size),
-and writes the model card README.md from the run's own records.
+and writes the model card README.md from the run's own records. With --bench DIR, τ is read
+from an existing bench run (DIR/humaneval/results.json and DIR/mtbench/results.json, method
+`dflash`) instead of being measured again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("run")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
     args = ap.parse_args()
     run = Path(args.run)
     state = json.loads((run / "checkpoint" / "state.json").read_text())
@@ -36,15 +39,21 @@ def main():
     drafter = DFlashDrafter.load(run / "drafter")
     drafter.save(DEST, dtype=torch.float16)
 
-    taus = {}
+    taus, samples = {}, {}
     for dataset in ("humaneval", "mtbench"):
-        out = run / f"bench-{dataset}"
-        subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
-                        "--methods", "dflash", "--max-samples", str(args.samples), "--max-new-tokens",
-                        str(args.max_new_tokens), "--draft", str(DEST), "--out", str(out)], check=True)
-        taus[dataset] = json.loads((out / "results.json").read_text())["methods"]["dflash"]["tau"]
+        if args.bench:
+            report = json.loads((Path(args.bench) / dataset / "results.json").read_text())
+        else:
+            out = run / f"bench-{dataset}"
+            subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
+                            "--methods", "dflash", "--max-samples", str(args.samples), "--max-new-tokens",
+                            str(args.max_new_tokens), "--draft", str(DEST), "--out", str(out)], check=True)
+            report = json.loads((out / "results.json").read_text())
+        taus[dataset] = report["methods"]["dflash"]["tau"]
+        samples[dataset] = report["num_prompts"]
+        args.max_new_tokens = report["max_new_tokens"]
 
-    curve = [(m["step"], m["tau"]) for m in metrics if "tau" in m]
+    curve = [(m["step"], m.get("tokens_seen"), m["tau"]) for m in metrics if "tau" in m]
     wall = max(m["elapsed"] for m in metrics)
     n_params = sum(p.numel() for p in drafter.parameters())
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct
@@ -55,25 +64,25 @@ Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding 
 
 | | |
 |---|---|
-| drafter | {cfg['num_layers']} Qwen3-style layers, {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']} |
+| drafter | {cfg['num_layers']} Qwen3-style layers, {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {cfg.get('draft_vocab') or 'full'} (most frequent answer tokens), initialised from {cfg.get('init', 'random')} |
 | data | answers regenerated greedily by SmolLM2-135M-Instruct to ShareGPT first turns (`data/regen/smollm2-135m-instruct`, HumanEval / MT-Bench prompts excluded) |
-| training | {state['step']} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens), {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {cfg['warmup_frac']:.0%}, cosine |
+| training | {state['step']} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e3:.0f}K tokens seen), {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {cfg['warmup_frac']:.0%}, cosine |
 | wall time | {wall / 60:.0f} min on {platform.processor() or platform.machine()} (2 cores, fp32, torch {torch.__version__}) |
 
 ## Measured acceptance length τ (greedy, block size {cfg['block_size']}, up to {args.max_new_tokens} new tokens)
 
 | dataset | prompts | τ |
 |---|---|---|
-| HumanEval | first {args.samples} | {taus['humaneval']:.2f} |
-| MT-Bench (first turns) | first {args.samples} | {taus['mtbench']:.2f} |
+| HumanEval | first {samples['humaneval']} | {taus['humaneval']:.2f} |
+| MT-Bench (first turns) | first {samples['mtbench']} | {taus['mtbench']:.2f} |
 
-Reproduce: `blockdraft bench --dataset humaneval --first-turn-only --methods dflash --max-samples {args.samples} --max-new-tokens {args.max_new_tokens}` (and `--dataset mtbench`).
+Reproduce: `blockdraft bench --dataset humaneval --first-turn-only --methods dflash --max-samples {samples['humaneval']} --max-new-tokens {args.max_new_tokens}` (and `--dataset mtbench`).
 
-## τ on held-out ShareGPT prompts during training (real decode loop)
+## τ on held-out ShareGPT prompts during training (real decode loop, 64 new tokens)
 
-| step | τ |
-|---|---|
-""" + "".join(f"| {s} | {t:.2f} |\n" for s, t in curve)
+| step | tokens seen | τ |
+|---|---|---|
+""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve)
     (DEST / "README.md").write_text(card)
     print(card)
 

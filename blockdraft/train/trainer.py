@@ -184,6 +184,8 @@ class Trainer:
         self.samples = self._load_samples()
         self._orders: dict[int, list[int]] = {}
         self.step = 0
+        self.tokens_seen = 0  # sequence tokens through the target, all processes
+        self.elapsed, self._t0 = 0.0, time.perf_counter()  # wall seconds of earlier processes (resume)
         torch.manual_seed(cfg.seed)
         if cfg.arch == "eagle3":
             from ..eagle import EagleConfig, EagleDrafter
@@ -331,7 +333,9 @@ class Trainer:
         tmp = Path(tempfile.mkdtemp(prefix=".checkpoint.", dir=self.out))
         self.drafter.save(tmp / "drafter")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.cfg)}, indent=2))
+        (tmp / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
+                                                    "elapsed": self.elapsed + time.perf_counter() - self._t0,
+                                                    "config": asdict(self.cfg)}, indent=2))
         final = self.out / "checkpoint"
         old = None
         if final.exists():
@@ -353,6 +357,8 @@ class Trainer:
         self.drafter.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
         self.step = state["step"]
+        self.tokens_seen = state.get("tokens_seen", 0)
+        self.elapsed = state.get("elapsed", 0.0)
         metrics = self.out / "metrics.jsonl"
         if self.rank == 0 and metrics.is_file():  # drop records of steps the checkpoint does not hold
             kept = [l for l in metrics.read_text().splitlines() if l and json.loads(l)["step"] <= self.step]
@@ -372,17 +378,19 @@ class Trainer:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.drafter.parameters())
             print(f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
-                  f"block {cfg.block_size}, {cfg.num_layers} layers, layers {self.drafter.config.target_layer_ids}, "
+                  f"block {cfg.block_size}, {cfg.arch} with {cfg.num_layers if cfg.arch == 'dflash' else 1} layer(s), "
+                  f"target layers {self.drafter.config.target_layer_ids}, "
                   f"{self.world} process(es), from step {self.step}", file=sys.stderr)
         self.drafter.train()
-        t0, seen = time.perf_counter(), 0
+        self._t0 = time.perf_counter()
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
         while self.step < cfg.max_steps:
             record = self.train_step()
-            seen += record["tokens"]
-            record["elapsed"] = time.perf_counter() - t0
+            self.tokens_seen += record["tokens"] * self.world
+            record["tokens_seen"] = self.tokens_seen
+            record["elapsed"] = self.elapsed + time.perf_counter() - self._t0
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc'][0]:.2f}")
             if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
