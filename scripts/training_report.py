@@ -19,8 +19,14 @@ from pathlib import Path
 
 
 def load(run: Path) -> dict:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
-    state_file = run / "checkpoint" / "state.json"
+    """A run folder (metrics.jsonl, checkpoint/state.json) or a kept log NAME.metrics.jsonl
+    (with NAME.state.json beside it)."""
+    if run.is_file():
+        metrics, state_file = run, run.with_name(run.name.replace(".metrics.jsonl", ".state.json"))
+        run = run.with_name(run.name.replace(".metrics.jsonl", ""))
+    else:
+        metrics, state_file = run / "metrics.jsonl", run / "checkpoint" / "state.json"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     config = json.loads(state_file.read_text())["config"] if state_file.is_file() else {}
     tail = records[-max(1, len(records) // 5):]
     tokens, curve = 0, []

@@ -190,7 +190,10 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(h):
-            loop.call_soon_threadsafe(events.put_nowait, h)
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, h)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
 
         try:
             handle = self.scheduler.submit(row, on_event)

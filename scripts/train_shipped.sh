@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The shipped drafters for the default target: DFlash (the default) and the EAGLE-3-style
+# baseline, same data, same steps, batch, anchors and schedule (equal training budget).
+# On the 2-core CPU both run side by side with one thread each. Resumable: rerun to continue.
+set -euo pipefail
+STEPS=${STEPS:-400}
+DATA=${DATA:-data/regen/smollm2-135m-instruct}
+BIN=${BIN:-.venv/bin/blockdraft}
+THREADS=${THREADS:-1}
+common=(--data "$DATA" --block-size 8 --num-anchors 64 --batch-size 4 --lr 1e-3 --draft-vocab 8192
+        --init target-last --max-steps "$STEPS" --eval-every 100 --eval-prompts 8 --eval-max-new-tokens 64
+        --save-every 25 --log-every 5 --resume)
+OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch dflash --num-layers 3 --out runs/ship-dflash &
+OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch eagle3 --out runs/ship-eagle3 &
+wait
