@@ -397,7 +397,8 @@ def read_config(folder: str | Path, architecture: str) -> dict:
     raw = json.loads((folder / "config.json").read_text())
     found = (raw.get("architectures") or [architecture])[0]
     if found != architecture:
-        raise BlockdraftError(f"{folder}: a {found}, not a {architecture}")
+        label = {"DFlashDraftModel": "DFlash drafter", "Eagle3DraftModel": "EAGLE-3-style drafter"}[architecture]
+        raise BlockdraftError(f"{folder}: not a {label} (architectures={raw.get('architectures')})")
     return raw
 
 

@@ -23,6 +23,35 @@ import torch
 from blockdraft.draft import DFlashDrafter
 
 DEST = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
+EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
+
+
+def ship_eagle(run: Path):
+    """The EAGLE-3-style baseline (for `bench --eagle`), with a short card from its run."""
+    from blockdraft.eagle import EagleDrafter
+
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    cfg = state["config"]
+    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    drafter = EagleDrafter.load(run / "drafter")
+    drafter.save(EAGLE_DEST, dtype=torch.float16)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    curve = "".join(f"| {m['step']} | {m.get('tokens_seen', 0) / 1e3:.0f}K | {m['tau']:.3f} |\n"
+                    for m in metrics if "tau" in m)
+    (EAGLE_DEST / "README.md").write_text(f"""# EAGLE-3-style baseline drafter for SmolLM2-135M-Instruct
+
+The baseline `blockdraft bench --methods eagle3 --eagle {EAGLE_DEST.relative_to(DEST.parent.parent)}` compares
+DFlash with. One decoder layer, {n_params / 1e6:.1f}M parameters, fed the target's layers
+{drafter.config.target_layer_ids} fused by `fc`; drafts chains of up to {cfg['block_size'] - 1} tokens.
+Trained by `blockdraft train --arch eagle3` with the same data, steps ({state['step']} x
+{cfg['batch_size']} sequences, {state.get('tokens_seen', 0) / 1e3:.0f}K tokens), anchors, schedule and draft
+vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Not loaded by default.
+
+## τ on held-out ShareGPT prompts during training (real decode loop, 64 new tokens)
+
+| step | tokens seen | τ |
+|---|---|---|
+""" + curve)
 
 
 def main():
@@ -31,7 +60,10 @@ def main():
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
+    ap.add_argument("--eagle", help="also ship the EAGLE-3-style baseline trained in this run folder")
     args = ap.parse_args()
+    if args.eagle:
+        ship_eagle(Path(args.eagle))
     run = Path(args.run)
     state = json.loads((run / "checkpoint" / "state.json").read_text())
     cfg = state["config"]

@@ -8,8 +8,8 @@ DATA=${DATA:-data/regen/smollm2-135m-instruct}
 BIN=${BIN:-.venv/bin/blockdraft}
 THREADS=${THREADS:-1}
 common=(--data "$DATA" --block-size 8 --num-anchors 64 --batch-size 4 --lr 1e-3 --draft-vocab 8192
-        --init target-last --max-steps "$STEPS" --eval-every 100 --eval-prompts 8 --eval-max-new-tokens 64
+        --max-steps "$STEPS" --eval-every 100 --eval-prompts 8 --eval-max-new-tokens 64
         --save-every 25 --log-every 5 --resume)
-OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch dflash --num-layers 3 --out runs/ship-dflash &
-OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch eagle3 --out runs/ship-eagle3 &
+OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch dflash --num-layers 3 --init target-last-fc --out runs/ship-dflash-fc &
+OMP_NUM_THREADS=$THREADS "$BIN" train "${common[@]}" --arch eagle3 --init target-last --out runs/ship-eagle3 &
 wait

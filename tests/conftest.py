@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target, load_tokenizer
 from blockdraft.models.default import DEFAULT_MASK_TOKEN_ID, default_target_dir
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 # Ten varied prompts: code, maths, chat, lists, translation, long and short.
 PROMPTS = [

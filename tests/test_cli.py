@@ -103,3 +103,17 @@ def test_api_stream_and_stop_strings(draft_dir):
     batch = engine.generate(["Hi!", "Count to five."], chat=True, max_new_tokens=8, method="ar")
     assert [b.token_ids for b in batch] == [engine.generate(p, chat=True, max_new_tokens=8, method="ar").token_ids
                                             for p in ["Hi!", "Count to five."]]
+
+
+def test_the_shipped_drafter_is_the_default_and_matches_its_card():
+    from blockdraft.engine import SHIPPED_DRAFTS
+    from blockdraft.models.default import DEFAULT_TARGET_NAME
+
+    folder = SHIPPED_DRAFTS[DEFAULT_TARGET_NAME]
+    engine = Engine.load()
+    assert engine.drafter is not None and engine.drafter.kind == "dflash"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dtype"] == "float16"
+    assert engine.drafter.config.block_size == cfg["block_size"]
+    card = (folder / "README.md").read_text()
+    assert "HumanEval" in card and "MT-Bench" in card and "τ" in card

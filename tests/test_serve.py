@@ -221,9 +221,10 @@ def test_server_still_correct_after_fuzzing(server, client, engine):
     assert chat.choices[0].message.content == offline(engine, prompt).text
 
 
-def test_queue_bound_disconnect_and_graceful_shutdown(draft_dir):
-    s = ServerProcess("--draft", str(draft_dir), "--max-batch", "1", "--max-queue", "1", "--max-tokens", "400",
-                      "--block-size", "4", "--shutdown-grace", "60")
+def test_queue_bound_disconnect_and_graceful_shutdown():
+    """Also: with no --draft, the server runs the shipped drafter of the default target."""
+    s = ServerProcess("--max-batch", "1", "--max-queue", "1", "--max-tokens", "400", "--block-size", "4",
+                      "--shutdown-grace", "60")
     try:
         long = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
         # a client that disconnects after the first chunk frees its slot
@@ -244,7 +245,7 @@ def test_queue_bound_disconnect_and_graceful_shutdown(draft_dir):
         workers = [threading.Thread(target=send, args=(i,)) for i in range(5)]
         for w in workers:
             w.start()
-            time.sleep(0.3)
+            time.sleep(0.05)
         for w in workers:
             w.join()
         codes = sorted(r.status_code for r in results.values())

@@ -212,7 +212,8 @@ class Server:
                         raise asyncio.CancelledError from None
                     continue
                 if h.error:
-                    raise ApiError(500, h.error, kind="server_error")
+                    raise ApiError(h.error_status, h.error,
+                                   kind="server_error" if h.error_status >= 500 else "invalid_request_error")
                 while not events.empty():
                     events.get_nowait()
                 delta = self.engine.text_delta(row, h.state)

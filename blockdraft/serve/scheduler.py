@@ -45,6 +45,7 @@ class Handle:
     finished_at: float | None = None
     cancelled: bool = False
     error: str | None = None
+    error_status: int = 500
 
     @property
     def done(self) -> bool:
@@ -217,9 +218,16 @@ class Scheduler:
 
     def _advance(self, admit: list[Handle]):
         if admit:
-            for h in admit:
-                self.running[h.id] = h
-            new = self.loop.admit([(h.id, h.row.request, h.state) for h in admit])
+            try:
+                new = self.loop.admit([(h.id, h.row.request, h.state) for h in admit])
+            except BlockdraftError as exc:  # checked before any slot changes: only these fail
+                for h in admit:
+                    h.error, h.error_status = str(exc), 400
+                    self._finish(h)
+                new = {}
+            else:
+                for h in admit:
+                    self.running[h.id] = h
             self._deliver(new)
         if not self.running:
             return

@@ -62,7 +62,7 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     lm_head_chunk: int = 1024
-    init: str = "random"  # random | target-first | target-last (copy target layers into the drafter)
+    init: str = "random"  # random | target-first | target-last | target-last-fc (see init_from_target)
     draft_vocab: int = 0  # >0: the drafter scores only the N most frequent answer tokens (0: all)
     limit_samples: int | None = None
     extra: dict = field(default_factory=dict)
@@ -121,13 +121,16 @@ def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns:
 def init_from_target(drafter, target, how: str):
     """Warm start: copy the first or last N target layers' attention, MLP and norm weights into
     the drafter's N layers (the DFlash drafter's extra q/k norms and every fc stay freshly
-    initialised; the EAGLE layer gets the target layer's q/k/v on its hidden-state half)."""
+    initialised; the EAGLE layer gets the target layer's q/k/v on its hidden-state half).
+    `target-last-fc` also starts `fc` as the identity on the deepest captured layer and
+    `hidden_norm` as the norm the target applies to it, so that the context keys and values
+    begin as the target's own."""
     layers = target.model.layers
-    if how not in ("target-first", "target-last"):
-        raise BlockdraftError(f"--init must be random, target-first or target-last, not {how!r}")
+    if how not in ("target-first", "target-last", "target-last-fc"):
+        raise BlockdraftError(f"--init must be random, target-first, target-last or target-last-fc, not {how!r}")
     with torch.no_grad():
         if getattr(drafter, "kind", "dflash") == "eagle3":
-            theirs = layers[0] if how == "target-first" else layers[-1]
+            theirs = layers[0] if how == "target-first" else layers[-1]  # (-fc: EAGLE's fc stays random)
             h = drafter.config.hidden_size
             _copy_layer(theirs, drafter.q_proj, drafter.k_proj, drafter.v_proj, drafter.o_proj, drafter.mlp,
                         drafter.post_attention_layernorm, slice(h, 2 * h))
@@ -139,8 +142,15 @@ def init_from_target(drafter, target, how: str):
                 _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp,
                             mine.post_attention_layernorm)
                 mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-        if how == "target-last":
+        if how.startswith("target-last"):
             drafter.norm.weight.copy_(target.model.norm.weight)
+        if how == "target-last-fc":
+            ids, h = list(drafter.config.target_layer_ids), drafter.config.hidden_size
+            j = ids.index(max(ids))
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, j * h:(j + 1) * h].copy_(torch.eye(h))
+            reader = layers[ids[j] + 1] if ids[j] + 1 < len(layers) else layers[-1]
+            drafter.hidden_norm.weight.copy_(reader.input_layernorm.weight)
 
 
 def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
