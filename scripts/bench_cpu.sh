@@ -9,5 +9,5 @@ EAGLE=models/smollm2-135m-instruct-eagle3
 "$BIN" bench --dataset humaneval,mtbench --first-turn-only --max-samples "$N" --max-new-tokens 256 \
     --methods ar,hf,lookup,eagle3@4,eagle3,dflash@2,dflash@4,dflash --eagle "$EAGLE" --out "$OUT/cpu-greedy"
 # temperature 1: speed, and the token distribution checked against ar on other seeds
-"$BIN" bench --dataset humaneval --max-samples 2 --max-new-tokens 128 --temperature 1 \
-    --methods ar,lookup,eagle3@4,dflash@4 --eagle "$EAGLE" --check-distribution 300 --out "$OUT/cpu-t1"
+"$BIN" bench --dataset mtbench --first-turn-only --max-samples 2 --max-new-tokens 128 --temperature 1 \
+    --methods ar,lookup,eagle3@4,dflash@4 --eagle "$EAGLE" --check-distribution 200 --out "$OUT/cpu-t1"

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from blockdraft.bench.runner import cpu_name
 from blockdraft.datasets import mtbench
 from blockdraft.serve.client import ServerProcess, stream_chat
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
 
     questions = [q["turns"][0] for q in mtbench()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+    report = {"machine": {"platform": platform.platform(), "processor": cpu_name(),
                           "python": sys.version.split()[0]},
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "results": {}}
     for name in args.configs.split(","):

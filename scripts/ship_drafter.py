@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from blockdraft.bench.runner import cpu_name
 from blockdraft.draft import DFlashDrafter
 
 DEST = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
@@ -99,7 +99,7 @@ Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding 
 | drafter | {cfg['num_layers']} Qwen3-style layers, {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {cfg.get('draft_vocab') or 'full'} (most frequent answer tokens), initialised from {cfg.get('init', 'random')} |
 | data | answers regenerated greedily by SmolLM2-135M-Instruct to ShareGPT first turns (`data/regen/smollm2-135m-instruct`, HumanEval / MT-Bench prompts excluded) |
 | training | {state['step']} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e3:.0f}K tokens seen), {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {cfg['warmup_frac']:.0%}, cosine |
-| wall time | {wall / 60:.0f} min on {platform.processor() or platform.machine()} (2 cores, fp32, torch {torch.__version__}) |
+| wall time | {wall / 60:.0f} min on {cpu_name()} (fp32, torch {torch.__version__}; `scripts/train_shipped.sh`: one thread each, beside the EAGLE-3-style baseline) |
 
 ## Measured acceptance length τ (greedy, block size {cfg['block_size']}, up to {args.max_new_tokens} new tokens)
 

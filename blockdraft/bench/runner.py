@@ -233,8 +233,10 @@ def distribution_check(engine, methods: list[str], records: list[dict], *, sampl
                        positions: int = 3, temperature: float = 1.0) -> dict:
     """At temperature > 0 the output distribution must stay the target's: the tokens at the
     first `positions` positions of `samples` seeded runs of each method are compared with
-    `ar` run on other seeds (two-sample chi-square, 0.1% level)."""
-    ids = engine.encode_chat([{"role": "user", "content": records[0]["turns"][0]}])
+    `ar` run on other seeds (two-sample chi-square, 0.1% level). The prompt is the shortest
+    first turn of `records` (every sample prefills it)."""
+    shortest = min((r["turns"][0] for r in records), key=len)
+    ids = engine.encode_chat([{"role": "user", "content": shortest}])
 
     def counts(method: Method, seed0: int):
         outs = _generate_many(engine, method, ids, samples, positions, temperature, seed0)
@@ -267,8 +269,18 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
     return outs
 
 
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(engine) -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(), "processor": cpu_name(),
             "threads": torch.get_num_threads(), "device": str(engine.target.device),
             "dtype": str(engine.target.dtype), "torch": torch.__version__}
 
