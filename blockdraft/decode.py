@@ -209,7 +209,7 @@ class DecodeLoop:
         t2 = time.perf_counter()
         self.proposer.observe(block, features, positions, rows=rows)
         accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
-        new_ids, live = {}, []
+        new_ids, finished = {}, {}
         for b in occupied:
             state, req = self.states[b], self.requests[b]
             if state.finished:
@@ -218,18 +218,13 @@ class DecodeLoop:
             state.acceptance_lengths.append(a + 1)
             state.accepted_per_step.append((a, n))
             new_ids[self.keys[b]] = _emit(req, state, drafts_list[b][:a] + [target_list[b][a]])
-            live.append(not state.finished)
+            finished[self.keys[b]] = state.finished
         # Finished and free rows stay frozen: recomputed at the same positions, harmlessly.
         active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
                                for b in range(rows.stop)], device=device)
         bonus = target_ids.gather(1, accepted[:, None])[:, 0]
         committed.copy_(torch.where(active, committed + accepted + 1, committed))
         pending.copy_(torch.where(active, bonus, pending))
-        finished = {}
-        for b in occupied:
-            key = self.keys[b]
-            if key in new_ids:
-                finished[key] = self.states[b].finished
         t3 = time.perf_counter()
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
                     batch=len(occupied), block_size=block_size)
