@@ -33,6 +33,7 @@ from torch import nn
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
+from .models.packed import tensor_version
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -230,6 +231,8 @@ class DraftLayer(nn.Module):
 class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
+    head_packs = None  # a models.packed.WeightPacks for the LM-head product, set by pack_linears
+
     def reset_parameters(self, std: float = 0.02):
         """The initialisation used for training: N(0, std) projections, unit norms."""
         for name, p in self.named_parameters():
@@ -250,13 +253,28 @@ class DrafterBase(nn.Module):
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Rows of the target's LM head the drafter scores (all, or the draft vocabulary's)."""
+        """Rows of the target's LM head the drafter scores (all, or the draft vocabulary's).
+        Outside autograd the gathered rows are kept until the head or the vocabulary changes."""
         vocab = getattr(self, "draft_vocab", None)
-        return lm_head_weight if vocab is None else lm_head_weight[vocab]
+        if vocab is None:
+            return lm_head_weight
+        if torch.is_grad_enabled() and lm_head_weight.requires_grad:
+            return lm_head_weight[vocab]
+        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight), vocab.data_ptr(), tensor_version(vocab))
+        cached = getattr(self, "_head_rows", None)
+        if cached is None or cached[0] != key:
+            cached = (key, lm_head_weight.detach()[vocab])
+            self._head_rows = cached
+        return cached[1]
 
     def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Greedy draft token ids (target ids) from final hidden states."""
-        best = torch.nn.functional.linear(hidden, self.head_weight(lm_head_weight)).argmax(-1)
+        """Greedy draft token ids (target ids) from final hidden states [..., H]."""
+        flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
+        weight = self.head_weight(lm_head_weight)
+        packs = getattr(self, "head_packs", None)  # see models.packed
+        logits = packs.linear(flat, weight) if packs is not None else torch.nn.functional.linear(flat, weight)
+        best = logits.argmax(-1)
+        best = best.view(hidden.shape[:-1])
         vocab = getattr(self, "draft_vocab", None)
         return best if vocab is None else vocab[best]
 

@@ -24,6 +24,7 @@ from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, eos_token_ids, load_target, load_tokenizer
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
+from .models.packed import pack_linears
 from .proposers import DFlashProposer, EagleProposer, LookupProposer, Proposer
 from .sampling import SamplingParams
 
@@ -88,10 +89,12 @@ class Engine:
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | None = None, use_draft: bool = True,
-             eagle: str | Path | None = None) -> "Engine":
+             eagle: str | Path | None = None, packed: bool = True) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
-        `eagle` names an EAGLE-3-style drafter folder (method "eagle3", for comparisons)."""
+        `eagle` names an EAGLE-3-style drafter folder (method "eagle3", for comparisons).
+        `packed` (fp32 on CPU with MKL): multiply verify-sized inputs by prepacked weights
+        (`models.packed`; about 3x each model's weight memory per packed size, made on first use)."""
         dev, dt = default_device()
         device, dtype = torch.device(device or dev), dtype or dt
         folder = Path(target) if target else default_target_dir()
@@ -113,6 +116,10 @@ class Engine:
             from .eagle import EagleDrafter
 
             baseline = EagleDrafter.load(eagle, device, dtype)
+        if packed:
+            for module in (model, drafter, baseline):
+                if module is not None:
+                    pack_linears(module)
         return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline)
 
     # ---- prompts -------------------------------------------------------------------

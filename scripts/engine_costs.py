@@ -2,8 +2,9 @@
 
 1. Tokens/s of our autoregressive path (`--method ar`) vs HF transformers' greedy
    `generate` on the same weights, interleaved prompt by prompt, medians over prompts.
-2. The cost of one target forward that verifies B = 1, 4, 8, 16 tokens (logits at every
-   position), relative to one plain decode step (B = 1).
+2. The cost of one target forward that verifies B = 1, 2, 4, 8, 16 tokens (logits at every
+   position), relative to one plain decode step (B = 1), with MKL's ordinary sgemm and
+   with the prepacked weights blockdraft uses on CPU (`blockdraft.models.packed`).
 
     python scripts/engine_costs.py [--max-new-tokens 64] [--repeats 2]
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 from blockdraft import Engine
+from blockdraft.models.packed import pack_linears, unpack_linears
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -65,24 +67,28 @@ def main():
     target = engine.target
     prompt = engine.encode(PROMPTS[0] * 4, chat=True)
     target.setup_caches(1, len(prompt) + 64)
+    blocks = (1, 2, 4, 8, 16)
+    times = {}
     with torch.inference_mode():
         target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
-        times = {}
-        for _ in range(3):  # interleave block sizes so drift hits all alike
-            for b in (1, 4, 8, 16):
-                toks = torch.randint(0, 49152, (1, b))
-                pos = torch.arange(len(prompt), len(prompt) + b)[None]
-                for _ in range(7):
-                    t = time.perf_counter()
-                    h, _ = target(toks, pos)
-                    target.logits(h).argmax(-1)
-                    times.setdefault(b, []).append(time.perf_counter() - t)
-    base = statistics.median(times[1])
-    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[1])}:")
-    for b, ts in times.items():
-        m = statistics.median(ts)
-        print(f"  B={b:2d}: {m * 1e3:7.1f} ms = {m / base:4.2f} x one decode step")
-
+        for _ in range(3):  # interleave block sizes and both kernels so drift hits all alike
+            for packed in (False, True):
+                (pack_linears if packed else unpack_linears)(target)
+                for b in blocks:
+                    toks = torch.randint(0, 49152, (1, b))
+                    pos = torch.arange(len(prompt), len(prompt) + b)[None]
+                    for _ in range(7):
+                        t = time.perf_counter()
+                        h, _ = target(toks, pos)
+                        target.logits(h).argmax(-1)
+                        times.setdefault((packed, b), []).append(time.perf_counter() - t)
+    base = statistics.median(times[(False, 1)])
+    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[(False, 1)])}, "
+          f"relative to one decode step ({base * 1e3:.1f} ms):")
+    print("  B  | plain sgemm | prepacked (models.packed, the default)")
+    for b in blocks:
+        plain, packed = (statistics.median(times[(p, b)]) for p in (False, True))
+        print(f"  {b:2d} | {plain / base:5.2f} x      | {packed / base:5.2f} x")
 
 if __name__ == "__main__":
     main()

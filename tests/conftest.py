@@ -7,6 +7,7 @@ import torch
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target, load_tokenizer
 from blockdraft.models.default import DEFAULT_MASK_TOKEN_ID, default_target_dir
+from blockdraft.models.packed import pack_linears
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
@@ -32,7 +33,9 @@ def smol_dir():
 
 @pytest.fixture(scope="session")
 def smol(smol_dir):
-    return load_target(smol_dir)
+    model = load_target(smol_dir)
+    pack_linears(model)  # as Engine.load does: verify-sized products use prepacked weights
+    return model
 
 
 @pytest.fixture(scope="session")
