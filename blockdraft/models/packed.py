@@ -4,8 +4,8 @@ A decode step multiplies every weight matrix by one row: a matrix-vector product
 streams the weights once. A verify step multiplies them by a handful of rows (the block's
 tokens), and MKL's sgemm then repacks the whole weight matrix into its panel layout on
 every call; for a few rows that repacking costs more than the arithmetic. On the 2-core
-CPU a forward over 8 tokens took 2.3 decode steps that way. MKL can pack a weight once for
-a fixed row count and reuse the packed copy, which brings the same forward to about 1.2
+CPU a forward over 8 tokens took 2.5 decode steps that way. MKL can pack a weight once for
+a fixed row count and reuse the packed copy, which brings the same forward to about 1.5
 decode steps (`python scripts/engine_costs.py` prints both).
 
 `pack_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` that shares
