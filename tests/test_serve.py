@@ -324,3 +324,32 @@ def test_speculation_policy_prefers_short_blocks_when_verify_is_costly():
     assert p.choose(16) == 1
     fixed = SpeculationPolicy(8, adaptive=False)
     assert fixed.choose(16) == 8
+
+
+def test_speculation_policy_estimates_new_batch_sizes_instead_of_trying_every_block():
+    p = SpeculationPolicy(8, explore=0.0)
+    for _ in range(50):  # the drafter is nearly useless: long blocks never pay where verify is costly
+        p.record(2, 8, 1.0, [(0, 7)] * 9 + [(1, 7)])
+
+    def run(batch):  # verify cost grows with batch * block; returns the blocks the policy ran
+        ran = []
+        for _ in range(12):
+            b = p.choose(batch)
+            ran.append(b)
+            p.record(batch, b, 0.05 * (1 + batch * (b - 1) / 4), [(0, b - 1)] if b > 1 else [])
+        return ran
+
+    first = run(4)
+    assert sorted(set(first)) == p.choices and first[-1] == 1  # the first batch size tries everything once
+    for batch in (5, 6, 7, 9, 12, 16):  # later ones run without speculation and estimate the rest
+        assert run(batch) == [1] * 12, batch
+    assert not any(k[1] > 1 for k in p.cost if k[0] > 4)  # no speculative step was run there
+    assert p.estimated_cost(16, 8) > p.estimated_cost(16, 1) > 0
+    # where speculation does pay, a new batch size switches to it after one base step
+    q = SpeculationPolicy(8, explore=0.0)
+    q.record(1, 8, 0.05, [(7, 7)] * 20)
+    for b in (1, 2, 4):
+        q.record(1, b, 0.05, [])
+    assert q.choose(2) == 1
+    q.record(2, 1, 0.06, [])
+    assert q.choose(2) == 8

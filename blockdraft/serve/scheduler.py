@@ -58,8 +58,12 @@ class SpeculationPolicy:
     It keeps the measured seconds of a step per (batch size, block size) and the
     per-position acceptance rates of the drafter, and picks the block size with the
     most expected tokens per second: batch * E[tokens per row | B] / t(batch, B), where
-    E[tokens | B] = 1 + sum_k prod_{j<=k} p_j. Untried block sizes are tried once per
-    batch size; afterwards a small fraction of steps re-measures a neighbour.
+    E[tokens | B] = 1 + sum_k prod_{j<=k} p_j. The first batch size seen tries every
+    block size once. A new batch size first runs without speculation; the other block
+    sizes' costs are then estimated from their cost relative to no speculation at the
+    nearest batch size where both were measured, and a block is only run (and so
+    measured) there when its estimate makes it the best. A small fraction of steps
+    re-measures a neighbour of the best.
     """
 
     def __init__(self, max_block: int, adaptive: bool = True, explore: float = 0.05, seed: int = 0):
@@ -83,14 +87,30 @@ class SpeculationPolicy:
     def choose(self, batch: int) -> int:
         if not self.adaptive:
             return self.max_block
-        untried = [b for b in self.choices if (batch, b) not in self.cost]
+        costs = {b: self.estimated_cost(batch, b) for b in self.choices}
+        untried = [b for b, c in costs.items() if c is None]
         if untried:
+            if (batch, 1) not in self.cost and any(k > 1 and (b, 1) in self.cost for b, k in self.cost):
+                return 1  # a new batch size: measure the base cost, estimate the rest from it
             return untried[-1]  # longest first: that is the default behaviour
-        best = max(self.choices, key=lambda b: self.expected_tokens(b) / self.cost[(batch, b)])
+        best = max(self.choices, key=lambda b: self.expected_tokens(b) / costs[b])
         if self.rng.random() < self.explore:
             i = self.choices.index(best) + self.rng.choice((-1, 1))
             return self.choices[min(max(i, 0), len(self.choices) - 1)]
         return best
+
+    def estimated_cost(self, batch: int, block: int) -> float | None:
+        """Seconds of a (batch, block) step: measured, else the block's cost relative to no
+        speculation at the nearest batch size where both were measured, times this batch
+        size's measured cost without speculation; None when neither is known."""
+        if (batch, block) in self.cost:
+            return self.cost[(batch, block)]
+        base = self.cost.get((batch, 1))
+        known = [b for (b, k) in self.cost if k == block and (b, 1) in self.cost]
+        if base is None or not known:
+            return None
+        near = min(known, key=lambda b: (abs(b - batch), b))
+        return base * self.cost[(near, block)] / self.cost[(near, 1)]
 
     def record(self, batch: int, block: int, seconds: float, outcomes: list[tuple[int, int]]):
         key = (batch, block)
