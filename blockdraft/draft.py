@@ -271,10 +271,9 @@ class DrafterBase(nn.Module):
         """Greedy draft token ids (target ids) from final hidden states [..., H]."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
         weight = self.head_weight(lm_head_weight)
-        packs = getattr(self, "head_packs", None)  # see models.packed
+        packs = self.head_packs  # see models.packed
         logits = packs.linear(flat, weight) if packs is not None else torch.nn.functional.linear(flat, weight)
-        best = logits.argmax(-1)
-        best = best.view(hidden.shape[:-1])
+        best = logits.argmax(-1).view(hidden.shape[:-1])
         vocab = getattr(self, "draft_vocab", None)
         return best if vocab is None else vocab[best]
 

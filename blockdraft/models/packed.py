@@ -58,8 +58,8 @@ class WeightPacks:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, through a packed weight when the row count allows."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if (not packing_available() or rows < self.min_rows or rows > self.sizes[-1] or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not weight.is_contiguous()
+        if (not packing_available() or not self.min_rows <= rows <= self.sizes[-1]
+                or x.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, bias)
         size = next(s for s in self.sizes if s >= rows)
@@ -80,16 +80,22 @@ class WeightPacks:
         return pack
 
 
+def _linear_sharing(cls, linear: nn.Linear) -> nn.Linear:
+    """A `cls` (an nn.Linear class) holding `linear`'s own Parameter objects, so ties and
+    state-dict keys survive the swap."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that multiplies small row counts by weights prepacked for MKL."""
 
     @classmethod
     def wrap(cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS) -> "PackedLinear":
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight  # the same Parameter objects: ties and state-dict keys survive
-        new.bias = linear.bias
+        new = _linear_sharing(cls, linear)
         new.packs = WeightPacks(sizes, min_rows)
         return new
 
@@ -124,10 +130,6 @@ def unpack_linears(model: nn.Module) -> int:
             parent.head_packs = None
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
-                plain = nn.Linear.__new__(nn.Linear)
-                nn.Module.__init__(plain)
-                plain.in_features, plain.out_features = child.in_features, child.out_features
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, name, plain)
+                setattr(parent, name, _linear_sharing(nn.Linear, child))
                 restored += 1
     return restored
