@@ -86,15 +86,27 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _interrupt_on_sigterm():
+    """SIGTERM (a session or job manager stopping us) unwinds like Ctrl-C, so files are closed."""
+    import signal
+
+    def handler(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_data_regenerate(args) -> int:
     from .engine import Engine
     from .train.data import regenerate
 
+    _interrupt_on_sigterm()
     engine = Engine.load(args.target, args.draft, use_draft=args.method != "ar")
-    n = regenerate(engine, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                   max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                   temperature=args.temperature, top_p=args.top_p, method=args.method)
-    print(f"regenerate: wrote {n} samples to {args.out}", file=sys.stderr)
+    stats = regenerate(engine, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                       max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                       temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds)
+    print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
+          f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
     return 0
 
 
@@ -199,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(func=cmd_demo)
 
     data = sub.add_parser("data", help="training data").add_subparsers(dest="data_command", required=True)
-    r = data.add_parser("regenerate", help="answer ShareGPT prompts with the target (resumable)")
-    r.add_argument("--out", required=True, help="folder of JSON-lines shards (resumes what is there)")
-    r.add_argument("--limit", type=int, help="use the first N usable prompts (default: all)")
+    r = data.add_parser("regenerate", help="answer training prompts with the target (resumable)")
+    r.add_argument("--out", required=True, help="folder of gzip JSON-lines shards (resumes what is there)")
+    r.add_argument("--mix", help="prompt sources and weights, e.g. sharegpt=3,sharegpt-code=2 "
+                                 "(default: the built-in mix; see blockdraft.datasets.PROMPT_SOURCES)")
+    r.add_argument("--limit", type=int, help="use the first N usable prompts of the mix (default: all)")
+    r.add_argument("--seconds", type=float, help="stop after this long (rows still running are redone next time)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
-    r.add_argument("--batch-size", type=int, default=16, help="concurrent sequences (continuous batching)")
+    r.add_argument("--batch-size", type=int, default=128, help="rows decoded together (continuous batching)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
@@ -219,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="compare methods side by side (tau, tokens/s, speedup)")
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--dataset", help="humaneval | mtbench | sharegpt-valid (comma-separated for several)")
+    src.add_argument("--dataset", help="humaneval | mtbench | gsm8k | sharegpt-valid (comma-separated for several)")
     src.add_argument("--prompts", help='JSON lines {"turns": [...]}')
     b.add_argument("--methods", default="ar,dflash",
                    help="comma-separated: ar, hf, hf-lookup[@B], lookup[@B], eagle3[@B] (needs --eagle), dflash[@B]")

@@ -1,14 +1,47 @@
 """Offline prompt sets: complete, and evaluation prompts kept out of training data."""
 
-from blockdraft.datasets import contaminated, eval_fingerprints, humaneval, is_validation, iter_sharegpt, mtbench
+import gzip
+import json
+
+import pytest
+
+from blockdraft.datasets import (PROMPT_SOURCES, contaminated, eval_fingerprints, gsm8k, humaneval, is_code_prompt,
+                                 is_validation, iter_sharegpt, mtbench)
 
 
 def test_eval_sets_load():
-    he, mt = humaneval(), mtbench()
+    he, mt, gsm = humaneval(), mtbench(), gsm8k()
     assert len(he) == 164 and he[0]["id"] == "HumanEval/0"
     assert he[0]["turns"][0].startswith("Write a solution to the following problem")
     assert "def has_close_elements" in he[0]["turns"][0]
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt)
+    assert len(gsm) == 100 and len({r["id"] for r in gsm}) == 100 and all(r["id"].startswith("gsm8k-test-") for r in gsm)
+    assert gsm[0]["turns"][0].startswith("Melanie is a door-to-door saleswoman")
+    assert gsm[0]["turns"][0].endswith("put your final answer within \\boxed{}.") and gsm[0]["answer"] == "18"
+
+
+@pytest.mark.parametrize("name,low,high", [("asdiv", 2305, 2305), ("leetcode", 1300, 1405), ("codeio", 3000, 3002)])
+def test_packaged_training_sources_load_completely(name, low, high):
+    records = list(PROMPT_SOURCES[name]())
+    assert low <= len(records) <= high
+    assert len({r["id"] for r in records}) == len(records)
+    assert all(r["messages"][-1]["role"] == "user" and r["messages"][-1]["content"].strip() for r in records)
+
+
+def test_later_sharegpt_turns_carry_the_conversation_and_its_split():
+    later = [r for _, r in zip(range(300), PROMPT_SOURCES["sharegpt-later"]())]
+    assert later
+    for r in later:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert r["id"].startswith(r["group"] + "/turn")  # the split follows the whole conversation
+
+
+def test_code_prompts_are_told_apart_from_chat():
+    assert is_code_prompt("In Java, I want to replace string like {object}")
+    assert is_code_prompt("Fix this:\n```\nprint(1\n```")
+    assert not is_code_prompt("Write a poem about autumn leaves falling in the park.")
+    assert not is_code_prompt("What are the best places to visit in Lisbon?")
 
 
 def test_sharegpt_reader_keeps_every_complete_conversation():
@@ -25,32 +58,75 @@ def test_evaluation_prompts_are_recognised_for_exclusion():
     fps = eval_fingerprints()
     assert contaminated("Please help: " + humaneval()[3]["turns"][0], fps)
     assert contaminated(mtbench()[5]["turns"][0].upper(), fps)
+    assert contaminated("Q: " + gsm8k()[7]["turns"][0].split("\n")[0], fps)
     assert not contaminated("Write a poem about autumn leaves falling in the park.", fps)
 
 
-def test_regeneration_resumes_without_losing_or_duplicating(tmp_path):
-    import json
+def test_prompt_mix_is_a_deterministic_weighted_round_robin():
+    from blockdraft.train.data import interleave, parse_mix
 
-    import pytest
+    out = [name for name, _ in interleave({"a": range(100), "b": range(3), "c": range(100)}, {"a": 2, "b": 1, "c": 1})]
+    assert out[:8] == ["a", "b", "c", "a", "a", "b", "c", "a"]
+    assert out.count("b") == 3 and out.count("a") == 100 and out.count("c") == 100  # exhausted streams drop out
+    assert parse_mix("asdiv=2, leetcode") == {"asdiv": 2.0, "leetcode": 1.0}
+    from blockdraft.errors import BlockdraftError
+    for bad in ("nosuch=1", "asdiv=x", "asdiv=0"):
+        with pytest.raises(BlockdraftError):
+            parse_mix(bad)
+
+
+def test_training_prompts_exclude_evaluation_prompts_and_long_ones(tokenizer):
+    from blockdraft.train.data import training_prompts
+
+    fps = ["allan brought two balloons and jake brought four balloons"]  # pretend ASDiv #3 is an eval prompt
+    prompts = [p for _, p in zip(range(50), training_prompts(tokenizer, "asdiv", 90, fingerprints=fps))]
+    assert len(prompts) == 50 and "asdiv/3" not in {p["id"] for p in prompts}
+    assert all(len(p["prompt_ids"]) <= 90 and p["source"] == "asdiv" for p in prompts)
+    assert all(p["split"] == ("valid" if is_validation(p["id"]) else "train") for p in prompts)
+
+
+def test_regeneration_resumes_without_losing_or_duplicating(tmp_path):
+    import fcntl
 
     from blockdraft import Engine
     from blockdraft.errors import BlockdraftError
     from blockdraft.train.data import iter_samples, regenerate
 
     engine = Engine.load(use_draft=False)
-    assert regenerate(engine, tmp_path, limit=2, max_new_tokens=4, batch_size=2) == 2
-    shard = next(tmp_path.glob("shard-*.jsonl"))
-    with open(shard, "a") as f:  # a writer killed mid-line
-        f.write('{"id": "sharegpt/torn", "prom')
-    assert regenerate(engine, tmp_path, limit=4, max_new_tokens=4, batch_size=2) == 2
+    run = dict(mix="asdiv", max_new_tokens=4, batch_size=2, progress=False)
+    assert regenerate(engine, tmp_path, limit=3, **run).written == 3
+    shards = sorted(tmp_path.glob("shard-*"))
+    assert [p.name for p in shards] == ["shard-00000.jsonl.gz"]  # closed shards are compressed
+    kept = gzip.open(shards[0], "rt").read().splitlines()
+    # A writer killed mid-line leaves a plain shard with a torn last line...
+    (tmp_path / "shard-00001.jsonl").write_text(kept[1] + "\n" + '{"id": "asdiv/torn", "prom')
+    # ... and one killed between compressing and deleting leaves a plain twin of a .gz shard.
+    (tmp_path / "shard-00000.jsonl").write_text("\n".join(kept) + "\n")
+    assert [s["id"] for s in iter_samples(tmp_path)] == [json.loads(k)["id"] for k in kept]
+    assert regenerate(engine, tmp_path, limit=5, **run).written == 2
     samples = list(iter_samples(tmp_path))
     ids = [s["id"] for s in samples]
-    assert len(ids) == 4 == len(set(ids)) and "sharegpt/torn" not in ids
-    first = samples[0]
-    assert first["answer_ids"] == engine.generate(first["prompt_ids"], method="ar", max_new_tokens=4).token_ids
-    assert json.loads(shard.read_text().splitlines()[-1])["id"] == ids[-1]
+    assert len(ids) == 5 == len(set(ids)) and "asdiv/torn" not in ids
+    assert all(p.name.endswith(".jsonl.gz") for p in tmp_path.glob("shard-*"))
+    for s in samples[:2]:  # greedy answers are the target's own
+        assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=4).token_ids
+        assert s["source"] == "asdiv" and s["max_new_tokens"] == 4
     with open(tmp_path / ".lock", "w") as lock:
-        import fcntl
         fcntl.flock(lock, fcntl.LOCK_EX)
         with pytest.raises(BlockdraftError, match="another `data regenerate`"):
-            regenerate(engine, tmp_path, limit=5, max_new_tokens=4)
+            regenerate(engine, tmp_path, limit=6, **run)
+
+
+def test_regeneration_in_a_large_continuous_batch_equals_one_by_one(tmp_path):
+    """Rows join and leave a 3-row batch at different times; every answer is still the
+    target's own greedy answer for that prompt alone."""
+    from blockdraft import Engine
+    from blockdraft.train.data import answer_prompts, training_prompts
+
+    engine = Engine.load(use_draft=False)
+    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256))]
+    got = []
+    stats = answer_prompts(engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append)
+    assert stats.written == 7 == len(got) and stats.tokens == sum(len(s["answer_ids"]) for s in got)
+    for s in got:
+        assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=12).token_ids

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..datasets import humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
+from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
 from .stats import chi2_homogeneity
@@ -33,6 +33,7 @@ from .stats import chi2_homogeneity
 DATASETS = {
     "humaneval": humaneval,
     "mtbench": mtbench,
+    "gsm8k": gsm8k,  # math word problems (GSM8K test items)
     "sharegpt-valid": lambda: [r for r in iter_sharegpt() if is_validation(r["id"])],
 }
 
