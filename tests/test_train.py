@@ -80,7 +80,7 @@ def check_forward_consistency(trainer):
     decode loop's cached forward, where the target has processed exactly x_0..x_{a-1}."""
     batch = trainer.batch_at(0)
     with torch.no_grad():
-        train_hidden = trainer.block_hidden(batch)
+        train_hidden, _ = trainer.block_hidden(batch)
     target, drafter, bs = trainer.target, trainer.drafter, trainer.cfg.block_size
     checked = 0
     for i in range(batch.tokens.shape[0]):
@@ -305,3 +305,91 @@ def test_overfit_eagle_drafter_accepts_long_chains(tiny_corpus, tmp_path):
                         4, states))
     lengths = [a for s in states for a in s.acceptance_lengths]
     assert sum(lengths) / len(lengths) >= 3.0
+
+
+def test_target_forward_can_stop_at_the_deepest_captured_layer(tiny_corpus):
+    _, target, prompts, answers = tiny_corpus
+    seq = torch.tensor([prompts[0] + answers[0]])
+    pos = torch.arange(seq.shape[1])[None]
+    target.ensure_caches(1, seq.shape[1])
+    with torch.no_grad():
+        final, full = target(seq, pos, (1, 2))
+        none, early = target(seq, pos, (1, 2), features_only=True)
+    assert none is None and final is not None and torch.equal(full, early)
+
+
+def test_learning_rate_schedules():
+    from blockdraft.train.trainer import lr_at
+
+    cos = TrainConfig(data="", out="", max_steps=100, lr=1.0, warmup_frac=0.1)
+    wsd = TrainConfig(data="", out="", max_steps=100, lr=1.0, warmup_frac=0.1, schedule="wsd", decay_frac=0.2)
+    assert lr_at(cos, 0) == pytest.approx(0.1) and lr_at(wsd, 9) == pytest.approx(1.0)
+    assert lr_at(cos, 55) == pytest.approx(0.5) and lr_at(cos, 99) < 0.01
+    assert lr_at(wsd, 50) == 1.0 and lr_at(wsd, 79) == 1.0  # stable
+    assert lr_at(wsd, 90) == pytest.approx(0.5) and lr_at(wsd, 99) == pytest.approx(0.05)  # linear decay
+
+
+def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(tiny_corpus, tmp_path):
+    """distill=1: the loss equals sum_k w_k * CE(softmax(target logits predicting x_{a+k}), drafter logits)
+    / sum_k w_k, computed here from the full target forward position by position; distill=0 is the
+    hard-label loss."""
+    import torch.nn.functional as F
+
+    from blockdraft.train.trainer import weighted_loss
+
+    root = tiny_corpus[0]
+    trainer = Trainer(tiny_config(root, tmp_path / "run", distill=1.0))
+    batch = trainer.batch_at(0)
+    with torch.no_grad():
+        hidden, teacher = trainer.block_hidden(batch)
+        head = trainer.target.lm_head.weight
+        n, width = batch.tokens.shape
+        final, _ = trainer.target(batch.tokens, torch.arange(width).expand(n, -1))
+        num = den = 0.0
+        for i in range(n):
+            for j in range(batch.labels.shape[1]):
+                if batch.labels[i, j] == IGNORE:
+                    continue
+                p = int(batch.block_positions[i, j]) - 1  # the target predicts x_{p+1} at p
+                want = torch.softmax(trainer.target.logits(final[i, p]), -1)
+                got = torch.log_softmax(F.linear(hidden[i, j], head), -1)
+                num += float(batch.weights[i, j]) * float(-(want * got).sum())
+                den += float(batch.weights[i, j])
+        args = (hidden, head, batch.labels, batch.weights, batch.offsets, 4, 7)
+        soft, _, _ = weighted_loss(*args, teacher=teacher, distill=1.0)
+        hard, _, _ = weighted_loss(*args)
+        hard_too, _, _ = weighted_loss(*args, teacher=teacher, distill=0.0)
+    assert float(soft) == pytest.approx(num / den, rel=1e-4)
+    assert float(hard_too) == pytest.approx(float(hard), rel=1e-6) and abs(float(soft) - float(hard)) > 1e-3
+
+
+def test_mixed_precision_training_bf16_target_fp32_drafter(tiny_corpus, tmp_path):
+    """A bf16 target with an fp32 drafter under autocast (the CUDA configuration), on CPU: the
+    drafter keeps fp32 weights, its first loss matches the fp32 run's to bf16 precision, the loss
+    falls, and the held-out tau evaluation runs the drafter in the target's dtype."""
+    root = tiny_corpus[0]
+    kw = dict(max_steps=30, lr=1e-2, save_every=10_000, eval_every=30, log_every=1)
+    ref = Trainer(tiny_config(root, tmp_path / "fp32", **kw))
+    mixed = Trainer(tiny_config(root, tmp_path / "bf16", dtype="bfloat16", **kw))
+    assert mixed.target.lm_head.weight.dtype == torch.bfloat16
+    first_ref = Trainer.host_record(ref.train_step())
+    first = Trainer.host_record(mixed.train_step())
+    assert all(p.dtype == torch.float32 for p in mixed.drafter.parameters())
+    assert first["loss"] == pytest.approx(first_ref["loss"], rel=0.03)
+    mixed.run()
+    records = [json.loads(l) for l in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < 0.7 * first["loss"]
+    assert records[-1]["tau"] >= 1.0
+
+
+def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(tiny_corpus, tmp_path):
+    from blockdraft.errors import BlockdraftError
+
+    root = tiny_corpus[0]
+    first = Trainer(tiny_config(root, tmp_path / "a", max_steps=3, eval_every=10_000))
+    first.run()
+    warm = Trainer(tiny_config(root, tmp_path / "b", init_from=str(tmp_path / "a" / "drafter")))
+    saved = DFlashDrafter.load(tmp_path / "a" / "drafter").state_dict()
+    assert all(torch.equal(saved[k].float(), v.float()) for k, v in warm.drafter.state_dict().items())
+    with pytest.raises(BlockdraftError, match="another shape"):
+        Trainer(tiny_config(root, tmp_path / "c", num_layers=3, init_from=str(tmp_path / "a" / "drafter")))

@@ -155,25 +155,28 @@ class Transformer(nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: tuple[int, ...] = (),
-                rows: slice = slice(None)):
+                rows: slice = slice(None), features_only: bool = False):
         """Run tokens [B, T] at absolute positions [B, T] through the model, updating the caches
         of batch rows `rows` (all by default; a slice lets one sequence be prefilled alone).
 
         Returns the final-norm hidden states [B, T, H] (apply `logits` to the rows you need)
         and, if `capture` names layers, their outputs concatenated as [B, T, len(capture)*H]
-        (layer i's output is HF's `hidden_states[i + 1]`), else None.
+        (layer i's output is HF's `hidden_states[i + 1]`), else None. `features_only` stops
+        after the deepest captured layer (training needs nothing later) and returns None for
+        the hidden states.
         """
         used = int(positions.max()) + 1
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         mask = self._mask(positions, used)
         captured = {}
-        for i, layer in enumerate(self.model.layers):
+        last = max(capture) if features_only and capture else len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers[: last + 1]):
             x = layer(x, cos, sin, positions, mask, used, rows)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return self.model.norm(x), features
+        return (None if features_only else self.model.norm(x)), features
 
     def _mask(self, positions: torch.Tensor, used: int) -> torch.Tensor | None:
         window = self.config.sliding_window

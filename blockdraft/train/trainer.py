@@ -1,16 +1,21 @@
 """`blockdraft train`: the open DFlash training recipe, nanoGPT style.
 
 One flat loop: a batch of (prompt, regenerated answer) sequences goes through the
-frozen target under no-grad, capturing the context features; random anchors inside
-the answers open blocks; the drafter denoises every block in one masked forward; a
-chunked LM head (the target's, frozen) gives the weighted cross-entropy. AdamW,
-warmup + cosine, gradient clipping. Distributed data parallel is switched on by
-torchrun's environment alone (gloo on CPU, NCCL on CUDA). Every random choice is a
+frozen target under no-grad, capturing the context features (it stops at the deepest
+captured layer unless soft labels need its logits); random anchors inside the answers
+open blocks; the drafter denoises every block in one masked forward; a chunked LM head
+(the target's, frozen) gives the weighted cross-entropy against the answer tokens, the
+target's own distribution, or a mix of both. AdamW, warmup then cosine or
+warmup-stable-decay, optional gradient clipping. Mixed precision: the target runs in its
+own dtype (bf16 on CUDA), the drafter keeps fp32 weights and runs under autocast; step
+statistics stay on the device until a log step. Distributed data parallel is switched on
+by torchrun's environment alone (gloo on CPU, NCCL on CUDA). Every random choice is a
 function of (seed, step, rank), so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -51,10 +56,15 @@ class TrainConfig:
     max_seq_len: int = 512
     max_steps: int = 1000
     lr: float = 6e-4
+    schedule: str = "cosine"  # cosine (to min_lr) | wsd (warmup, constant, linear decay over decay_frac)
     warmup_frac: float = 0.04
+    decay_frac: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
     min_lr_frac: float = 0.0
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0: no clipping
+    distill: float = 0.0  # weight of the soft-label loss (the target's own distribution); 0: hard labels only
+    dtype: str = "auto"  # the target's dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
+    init_from: str | None = None  # start from this drafter folder's weights (e.g. the shipped drafter)
     seed: int = 0
     eval_every: int = 200
     eval_prompts: int = 8
@@ -72,35 +82,60 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     warmup = max(1, int(cfg.warmup_frac * cfg.max_steps))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.max_steps - warmup)
     floor = cfg.lr * cfg.min_lr_frac
+    if cfg.schedule == "wsd":
+        decay = max(1, int(cfg.decay_frac * cfg.max_steps))
+        start = cfg.max_steps - decay
+        return cfg.lr if step < start else floor + (cfg.lr - floor) * max(0.0, (cfg.max_steps - step) / decay)
+    if cfg.schedule != "cosine":
+        raise BlockdraftError(f"--schedule must be cosine or wsd, not {cfg.schedule!r}")
+    progress = (step - warmup) / max(1, cfg.max_steps - warmup)
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None):
+def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
+                  teacher=None, distill: float = 0.0):
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
     `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
-    not in it; such labels count as misses and carry no loss). Returns (loss, per-offset
-    correct counts, per-offset totals)."""
+    not in it; such labels count as misses and carry no hard-label loss). `teacher` [same
+    shape as hidden]: the target's final hidden states that predict each label; with
+    `distill` > 0 the loss mixes in the cross-entropy against the target's distribution over
+    the scored vocabulary: (1 - distill) * hard + distill * soft. Returns (loss, per-offset
+    correct counts, per-offset totals), all on the hidden states' device."""
     keep = labels != IGNORE
     h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
+    t = teacher[keep] if teacher is not None and distill > 0 else None
+    w_hard = w
     if to_draft is not None:
         y = to_draft[y]
-        w = torch.where(y >= 0, w, torch.zeros_like(w))
+        w_hard = torch.where(y >= 0, w, torch.zeros_like(w))
         y = y.clamp(min=0)
-    total = h.new_zeros(())
-    correct = torch.zeros(block_size, dtype=torch.long)
+    total = h.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(block_size, dtype=torch.long, device=h.device)
     count = torch.bincount(k, minlength=block_size)
     for s in range(0, h.shape[0], chunk):
-        def part(hc, yc=y[s:s + chunk]):
-            logits = F.linear(hc, lm_head_weight)
-            return F.cross_entropy(logits.float(), yc, reduction="none"), logits.argmax(-1)
-        ce, pred = torch.utils.checkpoint.checkpoint(part, h[s:s + chunk], use_reentrant=False)
-        total = total + (ce * w[s:s + chunk]).sum()
-        hit = (pred == y[s:s + chunk]) & (w[s:s + chunk] > 0) if to_draft is not None else pred == y[s:s + chunk]
-        correct += torch.bincount(k[s:s + chunk][hit], minlength=block_size)
-    return total / w.sum().clamp(min=1e-6), correct, count
+        part_slice = slice(s, s + chunk)
+
+        def part(hc, tc=None, yc=y[part_slice]):
+            logits = F.linear(hc, lm_head_weight).float()
+            ce = F.cross_entropy(logits, yc, reduction="none")
+            if tc is None:
+                return ce, logits.argmax(-1)
+            soft = torch.softmax(F.linear(tc, lm_head_weight).float(), -1)
+            soft_ce = -(soft * torch.log_softmax(logits, -1)).sum(-1)
+            return ce, logits.argmax(-1), soft_ce
+        args = (h[part_slice],) if t is None else (h[part_slice], t[part_slice])
+        out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
+        ce, pred = out[0], out[1]
+        chunk_loss = (ce * w_hard[part_slice]).sum()
+        if t is not None:
+            chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
+        total = total + chunk_loss
+        hit = (pred == y[part_slice]) & (w_hard[part_slice] > 0) if to_draft is not None else pred == y[part_slice]
+        correct += torch.bincount(k[part_slice][hit], minlength=block_size)
+    norm = w.sum() if t is not None else w_hard.sum()
+    return total / norm.clamp(min=1e-6), correct, count
 
 
 def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns: slice = slice(None)):
@@ -175,7 +210,14 @@ class Trainer:
         if self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.out = Path(cfg.out)
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if cfg.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif cfg.dtype in ("float32", "bfloat16", "float16"):
+            self.dtype = getattr(torch, cfg.dtype)
+        else:
+            raise BlockdraftError(f"--dtype must be auto, float32, bfloat16 or float16, not {cfg.dtype!r}")
+        # The drafter keeps fp32 weights; a lower-precision target runs it under autocast.
+        self.autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
         from ..models.default import DEFAULT_MASK_TOKEN_ID, default_target_dir
 
         target_dir = Path(cfg.target) if cfg.target else default_target_dir()
@@ -210,6 +252,8 @@ class Trainer:
         self.drafter.reset_parameters()
         if cfg.init != "random":
             init_from_target(self.drafter, self.target, cfg.init)
+        if cfg.init_from:
+            self._init_from_folder(Path(cfg.init_from))
         self.to_draft = None
         if cfg.draft_vocab:
             self.drafter.set_draft_vocab(frequent_tokens([s[0][s[1]:] for s in self.samples],
@@ -276,46 +320,69 @@ class Trainer:
                             mask_token_id=cfg.mask_token_id, gamma=self.gamma, generator=gen,
                             anchor_mode=cfg.anchor_mode)
 
-    def train_step(self):
+    def train_step(self) -> dict:
+        """One optimizer step. The record's statistics are device tensors (no host sync here);
+        `host_record` turns them into numbers when a record is logged."""
         cfg = self.cfg
         batch = self.batch_at(self.step)
-        hidden = self.block_hidden(batch)
         dev = self.device
-        loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
-                                             batch.labels.to(dev), batch.weights.to(dev), batch.offsets.to(dev),
-                                             cfg.block_size, cfg.lm_head_chunk, self.to_draft)
+        with self.autocast:
+            hidden, teacher = self.block_hidden(batch)
+            loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
+                                                 batch.labels.to(dev), batch.weights.to(dev),
+                                                 batch.offsets.to(dev), cfg.block_size, cfg.lm_head_chunk,
+                                                 self.to_draft, teacher, cfg.distill)
         lr = lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in self.drafter.parameters()
+                                                              if p.grad is not None]))
         self.optimizer.step()
         self.step += 1
-        return {"step": self.step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm),
-                "acc": [round(float(c) / max(1, int(t)), 4) for c, t in zip(correct.cpu(), count.cpu())][1:],
-                "tokens": int(batch.lengths.sum())}
+        return {"step": self.step, "loss": loss.detach(), "lr": lr, "grad_norm": grad_norm.detach(),
+                "correct": correct, "count": count, "tokens": int(batch.lengths.sum())}
 
-    def block_hidden(self, batch) -> torch.Tensor:
+    @staticmethod
+    def host_record(record: dict) -> dict:
+        """A step record with its device statistics as plain numbers (one host sync)."""
+        out = {k: v for k, v in record.items() if k not in ("correct", "count")}
+        out["loss"], out["grad_norm"] = float(record["loss"]), float(record["grad_norm"])
+        correct, count = record["correct"].cpu().tolist(), record["count"].cpu().tolist()
+        out["acc"] = [round(c / max(1, t), 4) for c, t in zip(correct, count)][1:]
+        return out
+
+    def block_hidden(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafter's hidden states for every block of a batch, in one masked forward,
-        conditioned on the target's features captured under no-grad."""
+        conditioned on the target's features captured under no-grad; and, with soft labels,
+        the target's final hidden state that predicts each block position (else None)."""
         dev = self.device
         tokens = batch.tokens.to(dev)
         n, width = tokens.shape
+        teacher = None
         with torch.no_grad():
             self.target.ensure_caches(n, width)
             positions = torch.arange(width, device=dev).expand(n, -1)
-            _, features = self.target(tokens, positions, tuple(self.drafter.config.target_layer_ids))
+            soft = self.cfg.distill > 0 and self.cfg.arch == "dflash"
+            final, features = self.target(tokens, positions, tuple(self.drafter.config.target_layer_ids),
+                                          features_only=not soft)
+            if soft:  # position p + k is predicted by the target's state at p + k - 1
+                before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
+                teacher = final[torch.arange(n, device=dev)[:, None], before]
             if self.cfg.arch == "eagle3":
                 b = self.cfg.block_size
                 anchors = batch.block_positions[:, ::b].to(dev)
                 later = batch.labels.view(n, -1, b)[:, :, 1:b - 1].clamp(min=0)  # x_{a+1} .. x_{a+B-2}
-                teacher = torch.cat([batch.block_tokens[:, ::b, None], later], dim=2).to(dev)
+                forced = torch.cat([batch.block_tokens[:, ::b, None], later], dim=2).to(dev)
             else:
                 noise = self.target.embed(batch.block_tokens.to(dev))
         if self.cfg.arch == "eagle3":
-            return self.model(self.target.embed, tokens, features, anchors, teacher)
-        return self.model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev))
+            return self.model(self.target.embed, tokens, features, anchors, forced), None
+        return self.model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev)), teacher
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -327,7 +394,9 @@ class Trainer:
         self.drafter.eval()
         reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=self.stop_token_ids) for p in prompts]
         states = []
-        proposer = proposer_for(self.drafter, self.target)
+        # Decoding runs the drafter in the target's dtype, as `Engine.load` does.
+        drafter = self.drafter if self.dtype == torch.float32 else copy.deepcopy(self.drafter).to(self.dtype)
+        proposer = proposer_for(drafter, self.target)
         for _ in generate_steps(self.target, proposer, reqs, self.cfg.block_size, states):
             pass
         self.drafter.train()
@@ -355,11 +424,28 @@ class Trainer:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _init_from_folder(self, folder: Path):
+        """Warm start from a saved drafter of the same shape (e.g. the shipped one): its weights
+        and draft vocabulary replace the fresh ones; optimizer and schedule start anew."""
+        if not (folder / "config.json").is_file():
+            raise BlockdraftError(f"--init-from: no drafter in {folder} (expected config.json + model.safetensors)")
+        loaded = type(self.drafter).load(folder, self.device, torch.float32)
+        mine, theirs = self.drafter.state_dict(), loaded.state_dict()
+        bad = sorted(k for k in set(mine) | set(theirs)
+                     if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+        if bad:
+            raise BlockdraftError(f"--init-from: {folder} has another shape than this run's drafter "
+                                  f"(differs in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); "
+                                  "match --num-layers, --block-size, --draft-vocab, --target-layer-ids")
+        self.drafter.load_state_dict(theirs)
+
     def _load_checkpoint(self):
         ck = self.out / "checkpoint"
         state = json.loads((ck / "state.json").read_text())
-        saved = {k: v for k, v in state["config"].items() if k not in ("max_steps", "eval_every", "save_every")}
-        now = {k: v for k, v in asdict(self.cfg).items() if k not in ("max_steps", "eval_every", "save_every")}
+        defaults = asdict(TrainConfig(data="", out=""))  # settings added since the checkpoint was made
+        skip = ("max_steps", "eval_every", "save_every", "data", "out")
+        saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
+        now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
         if saved != now:
             diff = sorted(k for k in now if saved.get(k) != now[k])
             raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
@@ -402,11 +488,13 @@ class Trainer:
             record["tokens_seen"] = self.tokens_seen
             record["elapsed"] = self.elapsed + time.perf_counter() - self._t0
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc'][0]:.2f}")
-            if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
-                record["tau"] = self.evaluate_tau()
-                bar.write(f"step {self.step}: loss {record['loss']:.3f}, tau {record['tau']:.2f}")
-            if self.step % cfg.log_every == 0 or "tau" in record:
+            evaluate = self.step % cfg.eval_every == 0 or self.step == cfg.max_steps
+            if self.step % cfg.log_every == 0 or evaluate:  # the only host syncs of the loop
+                record = self.host_record(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc'][0]:.2f}")
+                if evaluate:
+                    record["tau"] = self.evaluate_tau()
+                    bar.write(f"step {self.step}: loss {record['loss']:.3f}, tau {record['tau']:.2f}")
                 self.log(record)
             if self.step % cfg.save_every == 0 or self.step == cfg.max_steps:
                 self.save_checkpoint()
