@@ -145,9 +145,13 @@ class DecodeLoop:
                 return True
         return False
 
+    # Largest right-padded prefill forward, in tokens (rows x longest prompt): bounds its memory.
+    PREFILL_TOKENS = 4096
+
     def admit(self, items: list[tuple]) -> dict:
-        """Prefill (key, Request, SequenceState) items into free slots; returns each key's
-        first token(s). Consecutive free slots are prefilled in one right-padded forward."""
+        """Prefill (key, Request, SequenceState) items into free slots, in order; returns each
+        key's first token(s). Runs of consecutive free slots are prefilled together, in
+        right-padded forwards of at most PREFILL_TOKENS padded tokens (or one prompt)."""
         free = self.free_slots
         if len(items) > len(free):
             raise BlockdraftError(f"{len(items)} requests for {len(free)} free slots")
@@ -155,13 +159,15 @@ class DecodeLoop:
             if len(req.prompt_ids) + req.max_new_tokens + self.block_size > self.max_len:
                 raise BlockdraftError(f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                                       f"({req.max_new_tokens}) does not fit the {self.max_len}-position cache")
-        placed = list(zip(free, items))
         out = {}
         run: list = []
-        for slot, item in placed + [(None, None)]:
-            if run and (slot is None or slot != run[-1][0] + 1):
-                out.update(self._prefill(run))
-                run = []
+        for slot, item in list(zip(free, items)) + [(None, None)]:
+            if run:
+                width = max(len(r[1][1].prompt_ids) for r in run)
+                if (slot is None or slot != run[-1][0] + 1
+                        or (len(run) + 1) * max(width, len(item[1].prompt_ids)) > self.PREFILL_TOKENS):
+                    out.update(self._prefill(run))
+                    run = []
             if slot is not None:
                 run.append((slot, item))
         return out

@@ -209,17 +209,22 @@ class ShardWriter:
 class RegenStats:
     written: int = 0  # samples finished and written
     tokens: int = 0  # answer tokens generated (finished or not)
+    prompt_tokens: int = 0  # prompt tokens prefilled
     seconds: float = 0.0  # wall time of the decode loop (prefills included)
     steps: int = 0
-    timeline: list = field(default_factory=list)  # (seconds since start, tokens so far) after each step
+    # (seconds since start, answer tokens, prompt tokens, samples written so far) after each step
+    timeline: list = field(default_factory=list)
 
-    def rate_between(self, start: float, end: float) -> float:
-        """Tokens per second over the part of the run between two fractions of its length
-        (e.g. 0.5, 1.0: the second half, once the first batch has been prefilled and mixed)."""
-        points = [p for p in self.timeline if start * self.seconds <= p[0] <= end * self.seconds]
-        if len(points) < 2 or points[-1][0] == points[0][0]:
-            return self.tokens_per_second
-        return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+    def steady_rates(self, written: int) -> tuple[float, float, float]:
+        """(answer tok/s, prompt tok/s, seconds) from the step at which `written` samples were
+        done to the end: with `written` = the batch size, the batch has turned over once and
+        rows are at mixed stages, so the first fill does not distort the rate."""
+        start = next((p for p in self.timeline if p[3] >= written), None)
+        end = self.timeline[-1] if self.timeline else None
+        if start is None or end[0] <= start[0]:
+            return 0.0, 0.0, 0.0
+        span = end[0] - start[0]
+        return (end[1] - start[1]) / span, (end[2] - start[2]) / span, span
 
     @property
     def tokens_per_second(self) -> float:
@@ -233,10 +238,11 @@ def _seed(sample_id: str) -> int:
 @torch.inference_mode()
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
                    temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", max_prompt_tokens: int = 256,
-                   seconds: float | None = None, on_sample=None, bar=None) -> RegenStats:
+                   seconds: float | None = None, until=None, on_sample=None, bar=None) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
     step, free slots take the next prompts (prefilled together); finished rows go to `on_sample`.
-    With `seconds`, the loop stops after that long and rows still running are dropped."""
+    With `seconds`, the loop stops after that long, with `until` once `until(stats)` is true
+    (checked every step); rows still running are then dropped."""
     proposer = engine.proposer(method)
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
@@ -257,7 +263,8 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
             bar.update(1)
 
     while True:
-        out_of_time = seconds is not None and time.perf_counter() - t0 >= seconds
+        stats.seconds = time.perf_counter() - t0
+        out_of_time = (seconds is not None and stats.seconds >= seconds) or (until is not None and until(stats))
         free = len(loop.free_slots)
         items = []
         while free > len(items) and not exhausted and not out_of_time:
@@ -272,6 +279,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         if items:
             for k, new in loop.admit(items).items():
                 stats.tokens += len(new)
+            stats.prompt_tokens += sum(len(req.prompt_ids) for _, req, _ in items)
             for k, _, state in items:
                 if state.finished:
                     finish(k)
@@ -284,7 +292,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         for k, done in step.finished.items():
             if done:
                 finish(k)
-        stats.timeline.append((time.perf_counter() - t0, stats.tokens))
+        stats.timeline.append((time.perf_counter() - t0, stats.tokens, stats.prompt_tokens, stats.written))
         if bar is not None:
             bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - t0):.0f}", rows=loop.active)
     stats.seconds = time.perf_counter() - t0
@@ -294,7 +302,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | None = None, limit: int | None = None,
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", seconds: float | None = None,
-               progress: bool = True) -> RegenStats:
+               until=None, progress: bool = True) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
 
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
@@ -321,7 +329,8 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         try:
             stats = answer_prompts(engine, todo, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                    temperature=temperature, top_p=top_p, method=method,
-                                   max_prompt_tokens=max_prompt_tokens, seconds=seconds, on_sample=writer.write,
+                                   max_prompt_tokens=max_prompt_tokens, seconds=seconds, until=until,
+                                   on_sample=writer.write,
                                    bar=bar)
         finally:
             bar.close()
