@@ -12,7 +12,7 @@ from .errors import BlockdraftError
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--target", help="local HF model folder (default: SmolLM2-135M-Instruct, converted once)")
     p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
-    p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3, for comparisons)")
+    p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3; default: the shipped one)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on CUDA, fp32 on CPU")
 
@@ -28,14 +28,18 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--block-size", type=int, help="verified block length (default: the drafter's trained size)")
 
 
-def _load_engine(args, method: str):
+def _load_engine(args, method_names: list[str]):
+    """The engine, with the DFlash drafter loaded when one of the methods needs it (other
+    shipped drafters load on first use); unknown methods fail here, before any loading."""
     import torch
 
+    from . import methods
     from .engine import Engine
 
+    specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype, use_draft=method.startswith("dflash"),
-                       eagle=args.eagle)
+    return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
+                       use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle)
 
 
 def _sampling_kwargs(args) -> dict:
@@ -44,7 +48,7 @@ def _sampling_kwargs(args) -> dict:
 
 
 def cmd_generate(args) -> int:
-    engine = _load_engine(args, args.method)
+    engine = _load_engine(args, [args.method])
     kwargs = _sampling_kwargs(args)
     if args.json:
         out = engine.generate(args.prompt, method=args.method, **kwargs)
@@ -101,7 +105,7 @@ def cmd_data_regenerate(args) -> int:
     from .train.data import regenerate
 
     _interrupt_on_sigterm()
-    engine = Engine.load(args.target, args.draft, use_draft=args.method != "ar")
+    engine = Engine.load(args.target, args.draft, use_draft=args.method == "dflash")
     stats = regenerate(engine, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                        temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds)
@@ -147,7 +151,7 @@ def cmd_bench(args) -> int:
     from .bench.runner import bench_command
 
     methods = args.methods.split(",")
-    engine = _load_engine(args, "dflash" if any(m.startswith("dflash") for m in methods) else "ar")
+    engine = _load_engine(args, methods)
     reports = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
                             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
@@ -174,7 +178,7 @@ def cmd_serve(args) -> int:
 
     from .serve.app import Server, create_app
 
-    engine = _load_engine(args, args.method)
+    engine = _load_engine(args, [args.method])
     name = args.served_model_name or os.path.basename(str(engine.target_name).rstrip("/"))
     api_key = args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
     server = Server(engine, model_name=name, method=args.method, max_batch=args.max_batch,
@@ -190,14 +194,14 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import methods
+
     parser = argparse.ArgumentParser(prog="blockdraft", description="DFlash block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=["dflash", "ar", "lookup", "eagle3"], default="dflash",
-                   help="dflash (the drafter), ar (no speculation), lookup (prompt n-gram drafts), "
-                        "eagle3 (the EAGLE-3-style baseline given by --eagle)")
+    g.add_argument("--method", choices=methods.names(), default="dflash", help=methods.help_text())
     g.add_argument("--json", action="store_true", help="print one JSON object (the stable contract)")
     _add_model_args(g)
     _add_sampling_args(g)
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--dataset", help="humaneval | mtbench | gsm8k | sharegpt-valid (comma-separated for several)")
     src.add_argument("--prompts", help='JSON lines {"turns": [...]}')
     b.add_argument("--methods", default="ar,dflash",
-                   help="comma-separated: ar, hf, hf-lookup[@B], lookup[@B], eagle3[@B] (needs --eagle), dflash[@B]")
+                   help="comma-separated, each NAME or NAME@B (block size): " + methods.help_text(include_peers=True))
     b.add_argument("--repeats", type=int, default=1, help="runs of every prompt per method (medians, spread)")
     b.add_argument("--check-distribution", type=int, default=0, metavar="N",
                    help="with N > 0: compare the first tokens of N seeded samples per method with ar's (T=1 "
@@ -253,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--method", choices=["dflash", "ar", "lookup"], default="dflash",
-                   help="ar: no speculation; lookup: prompt n-gram drafts")
+    s.add_argument("--method", choices=methods.names(), default="dflash", help=methods.help_text())
     s.add_argument("--block-size", type=int, help="largest verified block (default: the drafter's trained size)")
     s.add_argument("--speculation", choices=["adaptive", "fixed"], default="adaptive",
                    help="adaptive: each step's block size follows the running batch size, by measured speed")

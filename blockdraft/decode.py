@@ -52,6 +52,7 @@ class Step:
     finished: dict[int, bool]
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     prefill: bool = False
     batch: int = 0  # occupied slots this step
@@ -78,6 +79,13 @@ def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
     if not state.finished and len(state.output_ids) >= req.max_new_tokens:
         state.finish_reason = "length"
     return kept
+
+
+def clock(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (accurate timing on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def check_requests(target: Transformer, requests: list[Request], block_size: int) -> int:
@@ -204,15 +212,15 @@ class DecodeLoop:
         n = block_size - 1
         device = self.target.device
         committed, pending = self.committed[rows], self.pending[rows]
-        t0 = time.perf_counter()
+        t0 = clock(device)
         drafts = self.proposer.propose(pending, committed, n, rows=rows)
-        t1 = time.perf_counter()
+        t1 = clock(device)
         block = torch.cat([pending[:, None], drafts], dim=1)
         positions = committed[:, None] + torch.arange(block_size, device=device)
         hidden, features = self.target(block, positions, self.proposer.capture_layers, rows=rows)
         target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
         accepted = acceptance(drafts, target_ids)
-        t2 = time.perf_counter()
+        t2 = clock(device)
         self.proposer.observe(block, features, positions, rows=rows)
         accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
         new_ids, finished = {}, {}
@@ -257,23 +265,28 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     states[:] = [SequenceState() for _ in requests]
     batch = min(batch_size or len(requests), len(requests))
     loop = DecodeLoop(target, proposer, block_size, batch, max_len)
-    t0 = time.perf_counter()
+    t0 = clock(target.device)
     new_ids = loop.admit([(i, requests[i], states[i]) for i in range(batch)])
-    elapsed = time.perf_counter() - t0
+    elapsed = clock(target.device) - t0
     waiting = batch  # index of the next request to start
-    yield Step(new_ids, {i: states[i].finished for i in new_ids}, verify_seconds=elapsed,
+    yield Step(new_ids, {i: states[i].finished for i in new_ids}, prefill_seconds=elapsed,
                total_seconds=elapsed, prefill=True)
     while loop.active:
         step = loop.step()
-        t0 = time.perf_counter()
+        t0 = clock(target.device)
         for key, done in step.finished.items():
             if done:
                 loop.release(key)
+        admitted = False
         for _ in loop.free_slots:  # continuous batching: a free slot takes the next request
             if waiting < len(requests):
                 new = loop.admit([(waiting, requests[waiting], states[waiting])])
                 step.new_ids.update(new)
                 step.finished.update({i: states[i].finished for i in new})
                 waiting += 1
-        step.total_seconds += time.perf_counter() - t0
+                admitted = True
+        extra = clock(target.device) - t0
+        if admitted:
+            step.prefill_seconds += extra
+        step.total_seconds += extra
         yield step

@@ -12,6 +12,7 @@ The CLI, the benchmark and the server all go through this class.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,18 +20,29 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import methods
 from .decode import Request, SequenceState, generate_steps
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, eos_token_ids, load_target, load_tokenizer
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
 from .models.packed import pack_linears
-from .proposers import DFlashProposer, EagleProposer, LookupProposer, Proposer
+from .proposers import Proposer
 from .sampling import SamplingParams
+from .text import TextStream
 
-REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
-SHIPPED_DRAFTS = {DEFAULT_TARGET_NAME: REPO_MODELS / "smollm2-135m-instruct-dflash"}
-METHODS = ("dflash", "ar", "lookup", "eagle3")
+# Drafters shipped inside the package (package data), by (target name, drafter kind).
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+SHIPPED_DRAFTS = {
+    (DEFAULT_TARGET_NAME, "dflash"): SHIPPED_DIR / "smollm2-135m-instruct-dflash",
+    (DEFAULT_TARGET_NAME, "eagle3"): SHIPPED_DIR / "smollm2-135m-instruct-eagle3",
+}
+
+
+def shipped_drafter(kind: str, target_name: str = DEFAULT_TARGET_NAME) -> Path | None:
+    """The folder of the drafter of this kind shipped for a target, if there is one."""
+    folder = SHIPPED_DRAFTS.get((target_name, kind))
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 @dataclass
@@ -58,10 +70,12 @@ class Generation:
 
 
 @dataclass
-class _Row:
+class Row:
+    """A request with its stop strings and its incremental text (what the server keeps per request)."""
+
     request: Request
+    stream: TextStream
     stops: list[str] = field(default_factory=list)
-    sent: str = ""  # text already streamed
 
 
 def default_device() -> tuple[torch.device, torch.dtype]:
@@ -72,9 +86,12 @@ def default_device() -> tuple[torch.device, torch.dtype]:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
-                 target_name: str = "", draft_note: str | None = None, eagle=None):
+                 target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
+                 packed: bool = False):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
+        self.default_target = default_target  # shipped drafters apply (loaded on first use)
+        self.packed = packed
         if eagle is not None:
             eagle.check_target(target.config)
         self.target_name = target_name
@@ -92,7 +109,8 @@ class Engine:
              eagle: str | Path | None = None, packed: bool = True) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
-        `eagle` names an EAGLE-3-style drafter folder (method "eagle3", for comparisons).
+        `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
+        loaded on first use).
         `packed` (fp32 on CPU with MKL): multiply verify-sized inputs by prepacked weights
         (`models.packed`; about 3x each model's weight memory per packed size, made on first use)."""
         dev, dt = default_device()
@@ -103,10 +121,8 @@ class Engine:
         drafter, note = None, None
         if use_draft:
             if draft is None:
-                shipped = SHIPPED_DRAFTS.get(DEFAULT_TARGET_NAME) if target is None else None
-                if shipped is not None and (shipped / "config.json").is_file():
-                    draft = shipped
-                else:
+                draft = shipped_drafter("dflash") if target is None else None
+                if draft is None:
                     note = ("no trained drafter is shipped for this target yet: pass --draft DIR, "
                             "or use --method ar")
             if draft is not None:
@@ -116,11 +132,35 @@ class Engine:
             from .eagle import EagleDrafter
 
             baseline = EagleDrafter.load(eagle, device, dtype)
+        packed = packed and pack_linears(model) > 0
         if packed:
-            for module in (model, drafter, baseline):
+            for module in (drafter, baseline):
                 if module is not None:
                     pack_linears(module)
-        return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline)
+        return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
+                   default_target=target is None, packed=packed)
+
+    def drafter_for(self, kind: str):
+        """The loaded drafter of a kind ("dflash" | "eagle3"); the one shipped for the default
+        target is loaded on first use."""
+        attr = {"dflash": "drafter", "eagle3": "eagle"}[kind]
+        if getattr(self, attr) is None:
+            folder = shipped_drafter(kind) if self.default_target else None
+            if folder is None:
+                flag = "--draft DIR" if kind == "dflash" else "--eagle DIR"
+                raise BlockdraftError(self.draft_note if kind == "dflash" and self.draft_note
+                                      else f"method {kind} needs a drafter for this target: pass {flag}")
+            if kind == "dflash":
+                module = DFlashDrafter.load(folder, self.target.device, self.target.dtype)
+            else:
+                from .eagle import EagleDrafter
+
+                module = EagleDrafter.load(folder, self.target.device, self.target.dtype)
+            module.check_target(self.target.config)
+            if self.packed:
+                pack_linears(module)
+            setattr(self, attr, module)
+        return getattr(self, attr)
 
     # ---- prompts -------------------------------------------------------------------
 
@@ -138,19 +178,9 @@ class Engine:
         return self.tokenizer(prompt).input_ids
 
     def proposer(self, method: str) -> Proposer:
-        if method == "ar":
-            return Proposer()
-        if method == "lookup":
-            return LookupProposer()
-        if method == "eagle3":
-            if self.eagle is None:
-                raise BlockdraftError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle DIR")
-            return EagleProposer(self.eagle, self.target)
-        if method == "dflash":
-            if self.drafter is None:
-                raise BlockdraftError(self.draft_note or "method dflash needs a drafter: pass --draft DIR")
-            return DFlashProposer(self.drafter, self.target)
-        raise BlockdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        """A fresh proposer for a registered method (see `blockdraft.methods`)."""
+        spec, _ = methods.parse(method)
+        return spec.build(self)
 
     # ---- generation ----------------------------------------------------------------
 
@@ -158,13 +188,15 @@ class Engine:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: str | list[str] | None = None, block_size: int | None = None,
                  proposer: Proposer | None = None,
-                 on_text: Callable[[int, str], None] | None = None):
+                 on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None):
         """Generate for one prompt (returns a `Generation`) or a list of them (returns a list).
 
         Prompts are strings (with `chat=True`, wrapped in the target's chat template as one
         user turn) or lists of token ids. Greedy when temperature is 0; otherwise samples
         with temperature / top-p / top-k, reproducibly for a given seed (row i of a batch
         uses seed + i). `on_text(i, delta)` receives new text of prompt i as it is accepted.
+        Setting `cancel` (a threading.Event) ends generation after the current step; the
+        results then hold what was generated so far (finish reason "abort").
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
@@ -179,6 +211,10 @@ class Engine:
         t0 = time.perf_counter()
         for step in generate_steps(self.target, proposer, [r.request for r in rows], block_size, states):
             steps.append(step)
+            if cancel is not None and cancel.is_set():
+                for state in states:
+                    state.finish_reason = state.finish_reason or "abort"
+                break
             if on_text is not None:
                 for i, (row, state) in enumerate(zip(rows, states)):
                     if step.new_ids.get(i) or state.finished:
@@ -191,17 +227,18 @@ class Engine:
         return results[0] if single else results
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
-        """Yield the new text of one prompt as the verifier accepts it."""
+        """Yield the new text of one prompt as the verifier accepts it. Closing the iterator
+        (or dropping it) stops generation after the current step."""
         import queue
-        import threading
 
         pieces: queue.Queue = queue.Queue()
         done = object()
         error: list[BaseException] = []
+        cancel = threading.Event()
 
         def work():
             try:
-                self.generate(prompt, on_text=lambda _i, text: pieces.put(text), **kwargs)
+                self.generate(prompt, on_text=lambda _i, text: pieces.put(text), cancel=cancel, **kwargs)
             except BaseException as exc:  # re-raised in the caller's thread
                 error.append(exc)
             finally:
@@ -209,9 +246,12 @@ class Engine:
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
-        while (piece := pieces.get()) is not done:
-            yield piece
-        thread.join()
+        try:
+            while (piece := pieces.get()) is not done:
+                yield piece
+        finally:
+            cancel.set()
+            thread.join()
         if error:
             raise error[0]
 
@@ -223,55 +263,35 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None) -> _Row:
+                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None) -> Row:
         """A request with its sampling parameters, stop tokens and stop strings."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise BlockdraftError("stop strings must be non-empty")
         req = Request(list(prompt_ids), max_new_tokens, SamplingParams(temperature, top_p, top_k, seed),
                       tuple(self.stop_token_ids))
+        row = Row(req, TextStream(self.tokenizer, stops), stops)
         if stops:
-            req.stop_check = self._stop_checker(stops)
-        return _Row(req, stops)
+            def check(ids: list[int]) -> int | None:  # incremental: only new text is decoded and searched
+                row.stream.feed(ids)
+                return row.stream.stop_keep
+            req.stop_check = check
+        return row
 
-    def _stop_checker(self, stops: list[str]):
-        def check(ids: list[int]) -> int | None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if not any(s in text for s in stops):
-                return None
-            keep = len(ids)  # shortest prefix whose text already contains a stop string
-            while keep > 1 and any(s in self.tokenizer.decode(ids[: keep - 1], skip_special_tokens=True)
-                                   for s in stops):
-                keep -= 1
-            return keep
-        return check
-
-    def _final_text(self, row: _Row, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in row.stops if s in text]
-        return text[: min(cuts)] if cuts else text
-
-    def text_delta(self, row: _Row, state: SequenceState) -> str:
+    def text_delta(self, row: Row, state: SequenceState) -> str:
         """New text of a row since the last call (held back while it may still change)."""
-        text = self._final_text(row, state.output_ids)
-        if not state.finished:
-            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-                return ""
-            for s in row.stops:  # hold back what may turn out to be the start of a stop string
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        text = text[:-k]
-                        break
-        if not text.startswith(row.sent):
-            return ""
-        delta, row.sent = text[len(row.sent):], text
-        return delta
+        row.stream.feed(state.output_ids, final=state.finished)
+        return row.stream.delta(state.finished)
 
-    def _result(self, row: _Row, state: SequenceState, steps, elapsed, method, block_size) -> Generation:
+    def final_text(self, row: Row, state: SequenceState) -> str:
+        row.stream.feed(state.output_ids, final=True)
+        return row.stream.final_text
+
+    def _result(self, row: Row, state: SequenceState, steps, elapsed, method, block_size) -> Generation:
         lengths = state.acceptance_lengths
         n = len(state.output_ids)
         return Generation(
-            text=self._final_text(row, state.output_ids),
+            text=self.final_text(row, state),
             token_ids=list(state.output_ids),
             num_prompt_tokens=len(row.request.prompt_ids),
             num_output_tokens=n,
@@ -282,7 +302,7 @@ class Engine:
             finish_reason=state.finish_reason or "length",
             method=method,
             block_size=block_size,
-            prefill_seconds=sum(s.total_seconds for s in steps if s.prefill),
+            prefill_seconds=sum(s.prefill_seconds for s in steps),
             draft_seconds=sum(s.draft_seconds for s in steps),
             verify_seconds=sum(s.verify_seconds for s in steps if not s.prefill),
             steps=len(lengths),

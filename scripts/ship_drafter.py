@@ -2,7 +2,7 @@
 
     python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
 
-Copies RUN_DIR/drafter into models/smollm2-135m-instruct-dflash/ (fp16), measures τ with
+Copies RUN_DIR/drafter into blockdraft/shipped/smollm2-135m-instruct-dflash/ (fp16), measures τ with
 `blockdraft bench` on HumanEval and MT-Bench first turns (greedy, the drafter's block size),
 and writes the model card README.md from the run's own records. With --bench DIR, τ is read
 from an existing bench run (DIR/humaneval/results.json and DIR/mtbench/results.json, method
@@ -22,12 +22,12 @@ import torch
 from blockdraft.bench.runner import cpu_name
 from blockdraft.draft import DFlashDrafter
 
-DEST = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct-dflash"
+DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
 
 
 def ship_eagle(run: Path):
-    """The EAGLE-3-style baseline (for `bench --eagle`), with a short card from its run."""
+    """The EAGLE-3-style baseline (bench method eagle3), with a short card from its run."""
     from blockdraft.eagle import EagleDrafter
 
     state = json.loads((run / "checkpoint" / "state.json").read_text())
@@ -40,12 +40,12 @@ def ship_eagle(run: Path):
                     for m in metrics if "tau" in m)
     (EAGLE_DEST / "README.md").write_text(f"""# EAGLE-3-style baseline drafter for SmolLM2-135M-Instruct
 
-The baseline `blockdraft bench --methods eagle3 --eagle {EAGLE_DEST.relative_to(DEST.parent.parent)}` compares
+The baseline `blockdraft bench --methods eagle3` compares
 DFlash with. One decoder layer, {n_params / 1e6:.1f}M parameters, fed the target's layers
 {drafter.config.target_layer_ids} fused by `fc`; drafts chains of up to {cfg['block_size'] - 1} tokens.
 Trained by `blockdraft train --arch eagle3` with the same data, steps ({state['step']} x
 {cfg['batch_size']} sequences, {state.get('tokens_seen', 0) / 1e3:.0f}K tokens), anchors, schedule and draft
-vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Not loaded by default.
+vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Loaded when method eagle3 is asked for.
 
 ## τ on held-out ShareGPT prompts during training (real decode loop, 64 new tokens)
 

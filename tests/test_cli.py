@@ -80,7 +80,7 @@ def test_mismatched_drafter_and_unsupported_target_are_clear_errors(tmp_path, dr
 def test_no_shipped_drafter_yet_says_so(monkeypatch, tmp_path):
     import blockdraft.engine as engine_mod
 
-    monkeypatch.setitem(engine_mod.SHIPPED_DRAFTS, engine_mod.DEFAULT_TARGET_NAME, tmp_path / "none")
+    monkeypatch.setitem(engine_mod.SHIPPED_DRAFTS, (engine_mod.DEFAULT_TARGET_NAME, "dflash"), tmp_path / "none")
     engine = Engine.load()
     from blockdraft.errors import BlockdraftError
     with pytest.raises(BlockdraftError, match="no trained drafter is shipped"):
@@ -109,7 +109,7 @@ def test_the_shipped_drafter_is_the_default_and_matches_its_card():
     from blockdraft.engine import SHIPPED_DRAFTS
     from blockdraft.models.default import DEFAULT_TARGET_NAME
 
-    folder = SHIPPED_DRAFTS[DEFAULT_TARGET_NAME]
+    folder = SHIPPED_DRAFTS[DEFAULT_TARGET_NAME, "dflash"]
     engine = Engine.load()
     assert engine.drafter is not None and engine.drafter.kind == "dflash"
     cfg = json.loads((folder / "config.json").read_text())
@@ -117,3 +117,46 @@ def test_the_shipped_drafter_is_the_default_and_matches_its_card():
     assert engine.drafter.config.block_size == cfg["block_size"]
     card = (folder / "README.md").read_text()
     assert "HumanEval" in card and "MT-Bench" in card and "τ" in card
+
+
+def test_method_registry_drives_the_cli_and_finds_shipped_drafters():
+    from blockdraft import methods
+    from blockdraft.errors import BlockdraftError
+
+    assert {"ar", "lookup", "eagle3", "dflash"} <= set(methods.names())
+    assert {"hf", "hf-lookup"} <= set(methods.names(include_peers=True)) - set(methods.names())
+    assert methods.parse("dflash@8")[1] == 8 and methods.parse("lookup")[1] is None
+    for bad in ("nosuch", "ar@4", "dflash@x", "dflash@1", "hf"):
+        with pytest.raises(BlockdraftError):
+            methods.parse(bad)
+    engine = Engine.load(use_draft=False)
+    assert engine.drafter is None and engine.eagle is None
+    out = engine.generate("Hi", chat=True, method="eagle3", max_new_tokens=6)  # shipped baseline, no --eagle
+    assert engine.eagle is not None and out.token_ids == engine.generate("Hi", chat=True, method="ar",
+                                                                         max_new_tokens=6).token_ids
+    code, _, err = cli("generate", "--prompt", "Hi", "--method", "nosuch")
+    assert code == 2 and "invalid choice" in err
+
+
+def test_an_abandoned_stream_stops_within_a_step():
+    import time
+
+    from blockdraft.proposers import Proposer
+
+    class Counting(Proposer):
+        calls = 0
+
+        def propose(self, last_tokens, positions, n, rows=slice(None)):
+            Counting.calls += 1
+            return super().propose(last_tokens, positions, n, rows)
+
+    engine = Engine.load(use_draft=False)
+    stream = engine.stream("Tell me a long story about a dragon.", chat=True, method="ar", max_new_tokens=300,
+                           proposer=Counting())
+    first = [next(stream), next(stream)]
+    assert all(isinstance(p, str) for p in first)
+    stream.close()  # the consumer goes away
+    stopped_at = Counting.calls
+    time.sleep(0.5)
+    assert Counting.calls == stopped_at < 40  # no step after the close (the worker was joined)
+    assert engine.generate("Hi", chat=True, method="ar", max_new_tokens=4).num_output_tokens == 4

@@ -68,9 +68,19 @@ def assert_same_or_tie(hf_model, prompt, ours, ref, label):
     print(f"{label}: fp32 tie at token {i} (gap {gap:.1e}) excused")
 
 
-def test_ar_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy):
+@pytest.fixture(scope="session")
+def ours_greedy(smol, chat_ids):
+    """Our own greedy continuations (the prepacked target): the truth the rigged drafters copy."""
+    return [s.output_ids for s in run(smol, Proposer(), chat_ids, 1)]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["prepacked", "plain"])
+def test_ar_equals_hf_greedy(packed, smol, smol_dir, hf_smol, chat_ids, hf_greedy):
+    from blockdraft.models import load_target
+
+    target = smol if packed else load_target(smol_dir)  # the plain path: every product through F.linear
     for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
-        out = run(smol, Proposer(), [ids], 1)[0]
+        out = run(target, Proposer(), [ids], 1)[0]
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"ar prompt {k}")
         assert all(a == 1 for a in out.acceptance_lengths)
 
@@ -80,28 +90,33 @@ def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_gree
     for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
         out = run(smol, DFlashProposer(random_drafter, smol), [ids], 16)[0]
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"dflash prompt {k}")
-        assert sum(out.acceptance_lengths) + 1 >= len(out.output_ids)
+        a = out.acceptance_lengths  # one token from the prefill, then a[i] per step (the last may be cut)
+        assert 1 + sum(a[:-1]) < len(out.output_ids) <= 1 + sum(a)
 
 
-def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
+                                                              random_drafter):
     lens = [len(p) for p in chat_ids]
-    proposer = RiggedProposer(random_drafter, smol, hf_greedy, lens, perfect=True)
+    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, perfect=True)
     states = run(smol, proposer, chat_ids, 16)  # all ten prompts in one batch
-    for k, (ids, out, ref) in enumerate(zip(chat_ids, states, hf_greedy)):
+    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
+        assert out.output_ids == ours, f"perfect prompt {k}: differs from our own greedy output"
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"perfect prompt {k}")
-        if out.output_ids == ref and len(ref) == N_NEW:
-            # first token from prefill, then 16 per step: 1 + 16 = 17, then the rest
-            assert out.acceptance_lengths[0] == 16
+        # the prefill gives the first token, then every step accepts its whole block of 16
+        # (the last step only what was left: an end-of-sequence token or the length limit)
+        assert all(a == 16 for a in out.acceptance_lengths[:-1]), out.acceptance_lengths
+        assert len(out.acceptance_lengths) == -(-(len(ours) - 1) // 16)
 
 
-def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
+def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
+                                                             random_drafter):
     lens = [len(p) for p in chat_ids]
-    proposer = RiggedProposer(random_drafter, smol, hf_greedy, lens, perfect=False)
+    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, perfect=False)
     states = run(smol, proposer, chat_ids, 8)  # and a run-time block size below the trained 16
-    for k, (ids, out, ref) in enumerate(zip(chat_ids, states, hf_greedy)):
+    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
+        assert out.output_ids == ours, f"wrong prompt {k}: differs from our own greedy output"
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"wrong prompt {k}")
-        if out.output_ids == ref:
-            assert set(out.acceptance_lengths) == {1}
+        assert set(out.acceptance_lengths) == {1}
 
 
 @pytest.mark.slow

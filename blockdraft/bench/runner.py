@@ -1,11 +1,11 @@
 """`blockdraft bench`: methods interleaved prompt by prompt, same process, same prompts.
 
-Methods:
+Methods come from the registry (`blockdraft.methods`), peers included:
   ar            our plain autoregressive decoding (the reference for speedup_vs_ar)
   hf            HF transformers `generate` on the same weights
   hf-lookup[@B] HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1, default 10)
   lookup[@B]    our prompt-lookup (n-gram) drafter, verified by our loop (default B = 4)
-  eagle3[@B]    the EAGLE-3-style baseline drafter (--eagle DIR), a chain of B-1 drafts
+  eagle3[@B]    the EAGLE-3-style baseline drafter (shipped, or --eagle DIR), a chain of B-1 drafts
   dflash[@B]    the DFlash drafter at its trained block size, or at block size B
 
 Each prompt's turns run as a conversation: a later turn follows the method's own
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .. import methods as registry
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
@@ -53,35 +54,21 @@ def load_prompts(dataset: str | None, prompts_file: str | None, max_samples: int
 @dataclass
 class Method:
     name: str
-    kind: str  # ar | lookup | eagle3 | dflash | hf | hf-lookup
+    kind: str  # a registered method's name: ar | lookup | eagle3 | dflash | hf | hf-lookup ...
     block: int | None
-
-    @property
-    def speculative(self) -> bool:
-        return self.kind in ("lookup", "eagle3", "dflash")
+    speculative: bool = False
+    peer: bool = False
 
 
 def parse_method(name: str, engine) -> Method:
-    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' -> Method."""
-    base, _, block = name.partition("@")
-    if base not in ("ar", "hf", "hf-lookup", "lookup", "eagle3", "dflash") or (block and base in ("ar", "hf")):
-        raise BlockdraftError(f"unknown method {name!r}; use ar, hf, hf-lookup[@B], lookup[@B], eagle3[@B] "
-                              "or dflash[@B]")
-    if block and not block.isdigit():
-        raise BlockdraftError(f"{name!r}: the block size after @ must be an integer")
-    if base == "dflash" and engine.drafter is None:
-        raise BlockdraftError(engine.draft_note or "dflash needs a drafter (--draft DIR)")
-    if base == "eagle3" and engine.eagle is None:
-        raise BlockdraftError("eagle3 needs an EAGLE-3-style drafter (--eagle DIR)")
-    if base == "dflash":
-        size = int(block) if block else engine.drafter.config.block_size
-    elif base == "eagle3":
-        size = int(block) if block else engine.eagle.config.block_size
-    elif base in ("lookup", "hf-lookup"):
-        size = int(block) if block else (4 if base == "lookup" else 11)
+    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' | ... -> Method."""
+    spec, block = registry.parse(name, include_peers=True)
+    if spec.drafter is not None:
+        trained = engine.drafter_for(spec.drafter).config.block_size
+        size = block or trained
     else:
-        size = 1
-    return Method(name, base, size)
+        size = block or spec.default_block or 1
+    return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)
 
 
 class HFRunner:
@@ -123,7 +110,7 @@ class HFRunner:
 
 
 def _generate(engine, hf: HFRunner | None, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
-    if m.kind in ("hf", "hf-lookup"):
+    if m.peer:  # the HF peers (hf, hf-lookup)
         return hf.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                            lookup_tokens=m.block - 1 if m.kind == "hf-lookup" else 0)
     return engine.generate(ids, method=m.kind, block_size=m.block if m.speculative else None,
@@ -151,7 +138,7 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
               temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1) -> dict:
     parsed = [parse_method(m, engine) for m in methods]
-    hf = HFRunner(engine) if any(m.kind.startswith("hf") for m in parsed) else None
+    hf = HFRunner(engine) if any(m.peer for m in parsed) else None
     if warmup:
         ids = engine.encode("Hello", chat=True)
         for m in parsed:
@@ -198,7 +185,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
         tps = [statistics.median(x) for q in p["prompts"].values() for x in zip(*q["tokens_per_second"])]
         steps = max(1, p["steps"])
         results[m.name] = {
-            "tau": sum(lengths) / len(lengths) if lengths else (1.0 if m.kind in ("ar", "hf") else None),
+            "tau": sum(lengths) / len(lengths) if lengths else (1.0 if not registry.METHODS[m.kind].speculative else None),
             "acceptance_histogram": hist,
             "per_position_acceptance": rates,
             "tokens_per_second": p["tokens"] / p["seconds"] if p["seconds"] else 0.0,

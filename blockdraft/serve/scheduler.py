@@ -37,7 +37,7 @@ class Handle:
     scheduler thread whenever tokens were accepted or the request ended."""
 
     id: int
-    row: object  # engine._Row: the Request plus its stop strings
+    row: object  # engine.Row: the Request, its stop strings and its text stream
     on_event: Callable[["Handle"], None]
     state: SequenceState = field(default_factory=SequenceState)
     submitted: float = field(default_factory=time.perf_counter)
@@ -230,11 +230,13 @@ class Scheduler:
             try:
                 self._advance(admit)
             except Exception as exc:  # a bug must not hang every client: fail the batch, keep serving
-                for h in admit + list(self.running.values()):
+                with self.cond:
+                    failed = admit + list(self.running.values())
+                    self.running.clear()
+                for h in failed:
                     h.error = f"internal error: {type(exc).__name__}: {exc}"
                     self.loop.release(h.id)
                     self._finish(h)
-                self.running.clear()
 
     def _advance(self, admit: list[Handle]):
         if admit:
@@ -246,8 +248,9 @@ class Scheduler:
                     self._finish(h)
                 new = {}
             else:
-                for h in admit:
-                    self.running[h.id] = h
+                with self.cond:  # `running` is read by other threads (shutdown, metrics)
+                    for h in admit:
+                        self.running[h.id] = h
             self._deliver(new)
         if not self.running:
             return
@@ -271,7 +274,8 @@ class Scheduler:
                 h.first_token_at = now
             if h.state.finished:
                 self.loop.release(key)
-                del self.running[key]
+                with self.cond:
+                    del self.running[key]
                 self._finish(h)
             else:
                 h.on_event(h)

@@ -1,0 +1,95 @@
+"""One registry of decoding methods: the CLI, the benchmark and the server list and build methods here.
+
+A method is a name, a one-line summary, the kind of drafter it needs (found by default for the
+default target, see `Engine.drafter_for`), its default verified block, and how to build its
+proposer. Peer methods (HF transformers' own `generate`, ...) run outside our decode loop and
+only in the benchmark. Adding a proposer is one new file plus one `register(...)` line here:
+
+    register(Method("my-drafter", "what it does", build=lambda engine: MyProposer(...)))
+
+Method strings in the CLI and the API may carry a block size: `dflash@8`, `lookup@4`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import BlockdraftError
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    build: Callable | None = None  # engine -> Proposer (None for peers)
+    drafter: str | None = None  # the kind of drafter the method needs: "dflash" | "eagle3" | None
+    default_block: int | None = None  # verified block when none is given (None: the proposer's default)
+    peer: bool = False  # runs outside blockdraft's decode loop (benchmark only)
+    speculative: bool = True  # drafts tokens (a block size applies)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+def _ar(engine):
+    from .proposers import Proposer
+
+    return Proposer()
+
+
+def _lookup(engine):
+    from .proposers import LookupProposer
+
+    return LookupProposer()
+
+
+def _dflash(engine):
+    from .proposers import DFlashProposer
+
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target)
+
+
+def _eagle3(engine):
+    from .proposers import EagleProposer
+
+    return EagleProposer(engine.drafter_for("eagle3"), engine.target)
+
+
+register(Method("dflash", "the DFlash drafter: a whole block in one forward pass", _dflash, drafter="dflash"))
+register(Method("ar", "plain autoregressive decoding (no speculation)", _ar, speculative=False))
+register(Method("lookup", "prompt lookup: n-gram drafts copied from the context", _lookup, default_block=4))
+register(Method("eagle3", "the EAGLE-3-style baseline drafter: a chain, one token per pass", _eagle3,
+                drafter="eagle3"))
+register(Method("hf", "HF transformers' own generate on the same weights", peer=True, speculative=False))
+register(Method("hf-lookup", "HF transformers' prompt-lookup decoding", peer=True, default_block=11))
+
+
+def names(include_peers: bool = False) -> list[str]:
+    return [m.name for m in METHODS.values() if include_peers or not m.peer]
+
+
+def parse(text: str, include_peers: bool = False) -> tuple[Method, int | None]:
+    """'dflash' | 'dflash@8' | ... -> (Method, block size or None for the default)."""
+    base, at, block = text.partition("@")
+    method = METHODS.get(base)
+    if method is None or (method.peer and not include_peers):
+        known = ", ".join(f"{n}[@B]" if METHODS[n].speculative else n for n in names(include_peers))
+        raise BlockdraftError(f"unknown method {text!r}; choose one of {known}")
+    if not at:
+        return method, None
+    if not method.speculative:
+        raise BlockdraftError(f"{text!r}: {base} drafts nothing, so it takes no block size")
+    if not block.isdigit() or int(block) < 2:
+        raise BlockdraftError(f"{text!r}: the block size after @ must be an integer >= 2")
+    return method, int(block)
+
+
+def help_text(include_peers: bool = False) -> str:
+    return "; ".join(f"{m.name}{'[@B]' if m.speculative else ''}: {m.summary}"
+                     for m in METHODS.values() if include_peers or not m.peer)
