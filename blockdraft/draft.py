@@ -18,20 +18,16 @@ Checkpoints are folders in the published z-lab / vLLM / SGLang format:
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .checkpoint import load_weights, read_config, write_model_folder
 from .errors import BlockdraftError
-from .models.config import TargetConfig
+from .models.config import TargetConfig, rope_settings
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
 from .models.packed import tensor_version
 
@@ -100,9 +96,7 @@ class DraftConfig:
             heads = raw["num_attention_heads"]
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
-            rope = dict(raw.get("rope_parameters") or {})
-            theta = float(rope.pop("rope_theta", raw.get("rope_theta", 1e6)))
-            scaling = rope if rope.get("rope_type", "default") != "default" else raw.get("rope_scaling")
+            theta, scaling = rope_settings(raw, 1e6)
             known = set(_PUBLISHED_KEYS) | {"rope_parameters"}
             return cls(
                 hidden_size=raw["hidden_size"],
@@ -118,7 +112,7 @@ class DraftConfig:
                 block_size=raw.get("block_size", 16),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
-                rope_scaling=scaling or None,
+                rope_scaling=scaling,
                 max_position_embeddings=raw.get("max_position_embeddings", 40960),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 extra={k: v for k, v in raw.items() if k not in known},
@@ -282,28 +276,6 @@ class DrafterBase(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(int(size)))
 
 
-def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: torch.dtype | None = None):
-    """Write `config.json` + `model.safetensors` atomically: a temp folder, then a rename (the
-    old folder is kept until the new one is in place). Floating tensors are cast to `dtype`."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    weights = {k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in state.items()}
-    floating = [v.dtype for v in weights.values() if v.is_floating_point()]
-    config = dict(config, dtype=str(floating[0] if floating else torch.float32).removeprefix("torch."))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    old = None
-    if folder.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-        os.rmdir(old)
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class DFlashDrafter(DrafterBase):
     kind = "dflash"
     def __init__(self, cfg: DraftConfig):
@@ -404,36 +376,3 @@ class DFlashDrafter(DrafterBase):
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
         cfg = DraftConfig.from_dict(read_config(folder, "DFlashDraftModel"))
         return load_weights(cls, cfg, folder, device, dtype)
-
-
-def read_config(folder: str | Path, architecture: str) -> dict:
-    """A drafter folder's config.json, checked to be of `architecture`."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
-    raw = json.loads((folder / "config.json").read_text())
-    found = (raw.get("architectures") or [architecture])[0]
-    if found != architecture:
-        label = {"DFlashDraftModel": "DFlash drafter", "Eagle3DraftModel": "EAGLE-3-style drafter"}[architecture]
-        raise BlockdraftError(f"{folder}: not a {label} (architectures={raw.get('architectures')})")
-    return raw
-
-
-def load_weights(cls, cfg, folder: str | Path, device=None, dtype: torch.dtype | None = None):
-    """Build `cls(cfg)` without allocating, then assign the folder's weights (checked by name)."""
-    folder = Path(folder)
-    if not (folder / "model.safetensors").is_file():
-        raise BlockdraftError(f"{folder}: no model.safetensors")
-    weights = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    with torch.device("meta"):
-        model = cls(cfg)
-    expected = set(model.state_dict())
-    missing, unexpected = expected - weights.keys(), weights.keys() - expected
-    if missing or unexpected:
-        raise BlockdraftError(f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
-                              f"unexpected {sorted(unexpected)[:4]})")
-    device, dtype = torch.device(device or "cpu"), dtype or torch.float32
-    model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-                           for k, v in weights.items()}, assign=True)
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
-    return model.eval()

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .draft import DrafterBase, load_weights, read_config, write_model_folder
+from .checkpoint import load_weights, read_config, write_model_folder
+from .draft import DrafterBase
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend

@@ -17,6 +17,15 @@ ARCHITECTURES = {
 }
 
 
+def rope_settings(raw: dict, default_theta: float) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) of an HF config: transformers 5 keeps them in
+    `rope_parameters`, 4.x in `rope_theta` / `rope_scaling`."""
+    rope = dict(raw.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", default_theta)))
+    scaling = rope if rope.get("rope_type", "default") != "default" else raw.get("rope_scaling")
+    return theta, scaling or None
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -46,10 +55,7 @@ class TargetConfig:
             )
         fixed_bias, qk_norm = ARCHITECTURES[model_type]
         bias = fixed_bias if fixed_bias is not None else bool(raw.get("attention_bias", False))
-        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling.
-        rope = dict(raw.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = rope if rope.get("rope_type", "default") != "default" else raw.get("rope_scaling")
+        theta, scaling = rope_settings(raw, 10000.0)
         heads = raw["num_attention_heads"]
         window = raw.get("sliding_window")
         if model_type == "qwen2" and not raw.get("use_sliding_window", False):
@@ -67,7 +73,7 @@ class TargetConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            rope_scaling=scaling or None,
+            rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias,
