@@ -110,6 +110,36 @@ def check_requests(target: Transformer, requests: list[Request], block_size: int
     return longest + block_size
 
 
+class DecodeState:
+    """What a batch of sequences being decoded owns: the target's KV cache, the proposer
+    (which keeps its drafter's cache), and every row's committed length and pending token
+    (emitted, not yet in the cache). Rollback after a verify happens in `commit` and
+    nowhere else: for attention caches with slot = position it is the committed length
+    itself (slots past it are never attended and get overwritten)."""
+
+    def __init__(self, target: Transformer, proposer: Proposer, batch: int, max_len: int):
+        self.target, self.proposer = target, proposer
+        self.cache = target.new_cache(batch, max_len)
+        proposer.reset(batch, max_len)
+        device = target.device
+        self.committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
+        self.pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
+
+    def start(self, rows: slice, lengths: torch.Tensor, first: torch.Tensor):
+        """Rows `rows` were just prefilled with prompts of `lengths` and emitted `first`."""
+        self.committed[rows], self.pending[rows] = lengths, first
+        self.target.commit(self.cache, rows, self.committed[rows])
+
+    def commit(self, rows: slice, accepted: torch.Tensor, bonus: torch.Tensor, active: torch.Tensor):
+        """After a verify of [pending, drafts...]: active rows keep the pending token and their
+        `accepted` drafts (their slots become committed) and emit `bonus` as the new pending
+        token; inactive rows (finished, free) stay as they were."""
+        committed, pending = self.committed[rows], self.pending[rows]
+        committed.copy_(torch.where(active, committed + accepted + 1, committed))
+        pending.copy_(torch.where(active, bonus, pending))
+        self.target.commit(self.cache, rows, committed)
+
+
 class DecodeLoop:
     """A batch of `slots` sequence slots sharing the target's (and drafter's) caches.
 
@@ -127,15 +157,11 @@ class DecodeLoop:
                                   f"trained block size {proposer.max_block_size}")
         self.target, self.proposer, self.block_size = target, proposer, block_size
         self.slots, self.max_len = slots, max_len
-        target.ensure_caches(slots, max_len)
-        proposer.reset(slots, max_len)
-        device = target.device
+        self.state = DecodeState(target, proposer, slots, max_len)
         self.keys: list = [None] * slots  # the request key each slot serves (None: free)
         self.requests: list[Request | None] = [None] * slots
         self.states: list[SequenceState | None] = [None] * slots
         self.params = [SamplingParams(0.0)] * slots
-        self.committed = torch.zeros(slots, dtype=torch.long, device=device)  # tokens in the target cache
-        self.pending = torch.zeros(slots, dtype=torch.long, device=device)  # last emitted token, not yet cached
 
     @property
     def free_slots(self) -> list[int]:
@@ -193,11 +219,12 @@ class DecodeLoop:
         for b, r in enumerate(reqs):
             tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
         positions = torch.arange(width, device=device).expand(count, -1)
-        hidden, features = self.target(tokens, positions, self.proposer.capture_layers, rows=rows)
+        hidden, features = self.target(tokens, positions, self.state.cache, rows=rows,
+                                       capture=self.proposer.capture_layers)
         last = hidden[torch.arange(count, device=device), lengths - 1]
         first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
         self.proposer.observe(tokens, features, positions, rows=rows)
-        self.committed[rows], self.pending[rows] = lengths, first
+        self.state.start(rows, lengths, first)
         return {key: _emit(req, state, [int(t)]) for (_, (key, req, state)), t in zip(run, first.tolist())}
 
     def step(self, block_size: int | None = None) -> Step:
@@ -211,13 +238,14 @@ class DecodeLoop:
         rows = slice(0, occupied[-1] + 1)
         n = block_size - 1
         device = self.target.device
-        committed, pending = self.committed[rows], self.pending[rows]
+        committed, pending = self.state.committed[rows], self.state.pending[rows]
         t0 = clock(device)
         drafts = self.proposer.propose(pending, committed, n, rows=rows)
         t1 = clock(device)
         block = torch.cat([pending[:, None], drafts], dim=1)
         positions = committed[:, None] + torch.arange(block_size, device=device)
-        hidden, features = self.target(block, positions, self.proposer.capture_layers, rows=rows)
+        hidden, features = self.target(block, positions, self.state.cache, rows=rows,
+                                       capture=self.proposer.capture_layers)
         target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
         accepted = acceptance(drafts, target_ids)
         t2 = clock(device)
@@ -237,8 +265,7 @@ class DecodeLoop:
         active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
                                for b in range(rows.stop)], device=device)
         bonus = target_ids.gather(1, accepted[:, None])[:, 0]
-        committed.copy_(torch.where(active, committed + accepted + 1, committed))
-        pending.copy_(torch.where(active, bonus, pending))
+        self.state.commit(rows, accepted, bonus, active)
         t3 = time.perf_counter()
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
                     batch=len(occupied), block_size=block_size)

@@ -66,11 +66,11 @@ def main():
 
     target = engine.target
     prompt = engine.encode(PROMPTS[0] * 4, chat=True)
-    target.setup_caches(1, len(prompt) + 64)
+    cache = target.new_cache(1, len(prompt) + 64)
     blocks = (1, 2, 4, 8, 16)
     times = {}
     with torch.inference_mode():
-        target(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+        target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
         for _ in range(3):  # interleave block sizes and both kernels so drift hits all alike
             for packed in (False, True):
                 (pack_linears if packed else unpack_linears)(target)
@@ -79,7 +79,7 @@ def main():
                     pos = torch.arange(len(prompt), len(prompt) + b)[None]
                     for _ in range(7):
                         t = time.perf_counter()
-                        h, _ = target(toks, pos)
+                        h, _ = target(toks, pos, cache)
                         target.logits(h).argmax(-1)
                         times.setdefault((packed, b), []).append(time.perf_counter() - t)
     base = statistics.median(times[(False, 1)])

@@ -34,7 +34,12 @@ def main():
     ap.add_argument("--mix", help="prompt sources (default: the regenerate default)")
     ap.add_argument("--out", help="write the answers into this data folder (resumable, as `data regenerate`)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", type=int, metavar="ROWS",
+                    help="instead: profile --window seconds of the loop at ROWS rows (after its first turnover) and "
+                         "print where the time goes, by operator")
     args = ap.parse_args()
+    if args.profile:
+        return profile(args)
     engine = Engine.load(use_draft=False)
     rows = []
     for batch in args.batches:
@@ -69,6 +74,30 @@ def main():
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['answer_tok_s']} | {r['prompt_tok_s']} | {r['warmup_seconds']} |")
+
+
+def profile(args):
+    from torch.profiler import profile as torch_profile
+
+    engine = Engine.load(use_draft=False)
+    prof = torch_profile()
+    state = {"on": False}
+
+    def until(stats):
+        if not state["on"] and stats.written >= args.profile:
+            prof.__enter__()
+            state["on"], state["t0"] = True, stats.seconds
+        return state["on"] and stats.seconds - state["t0"] >= args.window
+
+    prompts = training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens)
+    answer_prompts(engine, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.profile,
+                   max_prompt_tokens=args.max_prompt_tokens, until=until)
+    prof.__exit__(None, None, None)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"{args.profile} rows, {args.window:.0f} s after the first turnover: share of CPU time by operator")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"  {e.key:55s} {100 * e.self_cpu_time_total / total:5.1f} %")
 
 
 if __name__ == "__main__":

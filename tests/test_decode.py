@@ -162,7 +162,7 @@ def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, ch
     for proposer, block in ((Proposer(), 1), (DFlashProposer(random_drafter, smol), 8)):
         states = []
         steps = list(generate_steps(smol, proposer, reqs, block, states, batch_size=3))
-        assert smol.model.layers[0].self_attn.cache.k.shape[0] == 3
+        assert max(step.batch for step in steps) == 3  # three slots, refilled
         emitted = {}
         for step in steps:
             for i, ids in step.new_ids.items():

@@ -33,11 +33,15 @@ def test_logits_match_hf_for_each_architecture(arch, tmp_path):
     torch.manual_seed(1)
     ids = torch.randint(0, 97, (20,)).tolist()
     ref, hidden = _hf_logits_and_hidden(hf, ids)
-    ours.setup_caches(1, 64)
+    cache = ours.new_cache(1, 64)
     with torch.no_grad():
         # prefill in two chunks through the cache, capturing two layers
-        h1, f1 = ours(torch.tensor([ids[:13]]), torch.arange(13)[None], capture=(0, 2))
-        h2, f2 = ours(torch.tensor([ids[13:]]), torch.arange(13, 20)[None], capture=(0, 2))
+        h1, f1 = ours(torch.tensor([ids[:13]]), torch.arange(13)[None], cache, capture=(0, 2))
+        h2, f2 = ours(torch.tensor([ids[13:]]), torch.arange(13, 20)[None], cache, capture=(0, 2))
+        # and without a cache, all at once (training and scoring)
+        h3, f3 = ours(torch.tensor([ids]), torch.arange(20)[None], capture=(0, 2))
+    torch.testing.assert_close(ours.logits(h3)[0], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f3[0, :, 64:], hidden[3][0], atol=1e-4, rtol=1e-4)
     logits = ours.logits(torch.cat([h1, h2], 1))[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     feats = torch.cat([f1, f2], 1)[0]
@@ -50,17 +54,17 @@ def test_batch_rows_with_different_lengths_match_single_runs(tmp_path):
     ours = load_target(tmp_path)
     torch.manual_seed(2)
     seqs = [torch.randint(0, 97, (n,)).tolist() for n in (5, 11, 8)]
-    ours.setup_caches(3, 32)
+    cache = ours.new_cache(3, 32)
     width = 11
     tokens = torch.zeros(3, width, dtype=torch.long)
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = torch.tensor(s)
     with torch.no_grad():
-        ours(tokens, torch.arange(width).expand(3, -1))
+        ours(tokens, torch.arange(width).expand(3, -1), cache)
         # then one more token per row, each at its own position
         nxt = torch.tensor([[3], [4], [5]])
         pos = torch.tensor([[len(s)] for s in seqs])
-        h, _ = ours(nxt, pos)
+        h, _ = ours(nxt, pos, cache)
     for b, s in enumerate(seqs):
         ref, _ = _hf_logits_and_hidden(hf, s + [int(nxt[b])])
         torch.testing.assert_close(ours.logits(h[b, 0]), ref[-1], atol=1e-4, rtol=1e-4)
@@ -70,12 +74,12 @@ def test_rollback_is_free_stale_slots_are_never_seen(tmp_path):
     hf = save_tiny_hf("llama", tmp_path)
     ours = load_target(tmp_path)
     ids = list(range(10, 22))
-    ours.setup_caches(1, 64)
+    cache = ours.new_cache(1, 64)
     with torch.no_grad():
-        ours(torch.tensor([ids[:8]]), torch.arange(8)[None])
+        ours(torch.tensor([ids[:8]]), torch.arange(8)[None], cache)
         # a rejected block writes junk at positions 8..13; the sequence stays at length 8
-        ours(torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.arange(8, 14)[None])
-        h, _ = ours(torch.tensor([ids[8:]]), torch.arange(8, 12)[None])
+        ours(torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.arange(8, 14)[None], cache)
+        h, _ = ours(torch.tensor([ids[8:]]), torch.arange(8, 12)[None], cache)
     ref, _ = _hf_logits_and_hidden(hf, ids)
     torch.testing.assert_close(ours.logits(h[0]), ref[8:], atol=1e-4, rtol=1e-4)
 
@@ -83,9 +87,8 @@ def test_rollback_is_free_stale_slots_are_never_seen(tmp_path):
 def test_smollm2_logits_match_hf(smol, hf_smol, tokenizer):
     ids = tokenizer("The three primary colours are red, yellow and").input_ids
     ref, hidden = _hf_logits_and_hidden(hf_smol, ids)
-    smol.setup_caches(1, 64)
     with torch.no_grad():
-        h, f = smol(torch.tensor([ids]), torch.arange(len(ids))[None], capture=(1, 14))
+        h, f = smol(torch.tensor([ids]), torch.arange(len(ids))[None], smol.new_cache(1, 64), capture=(1, 14))
     torch.testing.assert_close(smol.logits(h)[0], ref, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(f[0, :, 576:], hidden[15][0], atol=2e-4, rtol=1e-4)
 

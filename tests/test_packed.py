@@ -89,10 +89,10 @@ def test_verify_logits_of_the_default_target_match_the_unpacked_model(smol_dir):
     ids = torch.randint(0, 49152, (1, 40))
     out = []
     for model in (plain, packed):
-        model.setup_caches(1, 64)
+        cache = model.new_cache(1, 64)
         with torch.inference_mode():
-            model(ids[:, :32], torch.arange(32)[None])
-            h, _ = model(ids[:, 32:], torch.arange(32, 40)[None])  # an 8-token verify: packed path
+            model(ids[:, :32], torch.arange(32)[None], cache)
+            h, _ = model(ids[:, 32:], torch.arange(32, 40)[None], cache)  # an 8-token verify: packed path
             out.append(model.logits(h))
     torch.testing.assert_close(out[1], out[0], atol=1e-3, rtol=1e-4)
     assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))

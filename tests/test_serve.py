@@ -353,3 +353,22 @@ def test_speculation_policy_estimates_new_batch_sizes_instead_of_trying_every_bl
     assert q.choose(2) == 1
     q.record(2, 1, 0.06, [])
     assert q.choose(2) == 8
+
+
+def test_the_scheduler_serves_every_registered_method():
+    """Every method of the registry (shipped drafters found by default) serves greedy answers
+    equal to plain autoregressive decoding."""
+    from blockdraft import methods
+
+    engine = Engine.load()
+    prompts = [engine.encode(p, chat=True) for p in ("Count to five.", "Name a colour.")]
+    want = [engine.generate(p, method="ar", max_new_tokens=10).token_ids for p in prompts]
+    for name in methods.names():
+        sched = Scheduler(engine, method=name, max_batch=2, max_queue=4, max_model_len=512)
+        sched.start()
+        handles = [sched.submit(engine.make_row(p, 10), lambda h: None) for p in prompts]
+        deadline = time.time() + 120
+        while not all(h.done for h in handles) and time.time() < deadline:
+            time.sleep(0.02)
+        sched.shutdown(grace=5)
+        assert [h.state.output_ids for h in handles] == want, name

@@ -92,10 +92,10 @@ def check_forward_consistency(trainer):
             a = int(batch.block_positions[i, j * bs])
             proposer = DFlashProposer(drafter, target)
             proposer.reset(1, a + bs)
-            target.setup_caches(1, a + bs)
             with torch.no_grad():
                 pos = torch.arange(a)[None]
-                _, feats = target(torch.tensor([seq[:a]]), pos, proposer.capture_layers)
+                _, feats = target(torch.tensor([seq[:a]]), pos, target.new_cache(1, a + bs),
+                                  capture=proposer.capture_layers)
                 proposer.observe(None, feats, pos)
                 proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), bs - 1)  # writes the context
                 block = torch.tensor([[seq[a]] + [MASK] * (bs - 1)])
@@ -261,8 +261,7 @@ def test_eagle_training_forward_equals_the_decode_chain(tiny_corpus):
     seq = prompts[0] + answers[0]
     anchors = [len(prompts[0]) + 2, len(prompts[0]) + 9]
     with torch.no_grad():
-        target.ensure_caches(1, len(seq) + 8)
-        _, feats = target(torch.tensor([seq]), torch.arange(len(seq))[None], (1, 3))
+        _, feats = target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=(1, 3))
         for a in anchors:
             proposer = EagleProposer(drafter, target)
             # prefill x_0 .. x_{a-1} through the loop's own machinery, then draft 4 tokens after x_a
@@ -318,10 +317,9 @@ def test_target_forward_can_stop_at_the_deepest_captured_layer(tiny_corpus):
     _, target, prompts, answers = tiny_corpus
     seq = torch.tensor([prompts[0] + answers[0]])
     pos = torch.arange(seq.shape[1])[None]
-    target.ensure_caches(1, seq.shape[1])
     with torch.no_grad():
-        final, full = target(seq, pos, (1, 2))
-        none, early = target(seq, pos, (1, 2), features_only=True)
+        final, full = target(seq, pos, capture=(1, 2))
+        none, early = target(seq, pos, capture=(1, 2), features_only=True)
     assert none is None and final is not None and torch.equal(full, early)
 
 
@@ -351,7 +349,7 @@ def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(ti
         hidden, teacher = trainer.block_hidden(batch)
         head = trainer.target.lm_head.weight
         n, width = batch.tokens.shape
-        final, _ = trainer.target(batch.tokens, torch.arange(width).expand(n, -1))
+        final, _ = trainer.target(batch.tokens, torch.arange(width).expand(n, -1))  # no cache: causal
         num = den = 0.0
         for i in range(n):
             for j in range(batch.labels.shape[1]):

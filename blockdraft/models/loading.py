@@ -11,7 +11,18 @@ from safetensors import safe_open
 from ..errors import BlockdraftError
 from .config import TargetConfig
 from .layers import Rotary
-from .transformer import Transformer, fuse_hf_weights
+from .transformer import Transformer
+
+# model_type (HF config.json) -> the model class that implements the target interface
+# (`forward(tokens, positions, cache, slots=, mask=)`, `new_cache`, `commit`, `logits`,
+# `embed`, and `from_hf_weights` to map an HF checkpoint onto its parameters). A new
+# family is one file with its class plus one line here (and its config flags in config.py).
+FAMILIES: dict[str, type] = {
+    "llama": Transformer,
+    "mistral": Transformer,
+    "qwen2": Transformer,
+    "qwen3": Transformer,
+}
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -35,16 +46,19 @@ def read_safetensors(folder: Path, dtype: torch.dtype, device) -> dict[str, torc
 
 
 def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = None) -> Transformer:
-    """Build our Transformer from an HF model folder (config.json + safetensors)."""
+    """Build the target model of an HF model folder (config.json + safetensors), by family."""
     folder = Path(folder)
     if not folder.is_dir():
         raise BlockdraftError(f"target model folder not found: {folder}")
     cfg = TargetConfig.from_folder(folder)
+    family = FAMILIES.get(cfg.model_type)
+    if family is None:
+        raise BlockdraftError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     device = torch.device(device or "cpu")
     dtype = dtype or torch.float32
     with torch.device("meta"):
-        model = Transformer(cfg)
-    weights = fuse_hf_weights(read_safetensors(folder, dtype, device))
+        model = family(cfg)
+    weights = family.from_hf_weights(read_safetensors(folder, dtype, device))
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}

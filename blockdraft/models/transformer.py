@@ -1,14 +1,21 @@
 """Target model code for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM).
 
-gpt-fast style: one decoder written out, a static KV cache preallocated per
-layer and addressed by absolute position, and capture of chosen layers' hidden
-states during the same forward (the DFlash context feature).
+gpt-fast style: one decoder written out, and capture of chosen layers' hidden
+states during the same forward (the DFlash context feature). The model holds
+weights only: a `KVCache` (static buffers, made by `new_cache`) is passed in by
+whoever owns the sequences (the decode loop's `DecodeState`).
 
-Each batch row is an independent sequence with its own length. A forward writes
-the keys/values of its tokens at their positions and lets every query see only
-cache slots at positions <= its own. Rolling a sequence back to a committed
-length therefore needs no copy: slots past it are never attended and are
-overwritten by the next write.
+The target interface, shared by every family: `forward(tokens, positions, cache,
+slots=..., mask=...)` -> (final hidden states, captured features), `logits`,
+`embed`, `new_cache`, and `commit(cache, rows, ...)` (nothing to do for attention
+layers; recurrent layers would keep their state at the accepted position there).
+
+Each batch row is an independent sequence. A forward writes the keys/values of its
+tokens into cache slots (by default slot = position) and lets every query see the
+slots its mask allows (by default: positions <= its own). Rolling a sequence back
+to a committed length therefore needs no copy: slots past it are never attended
+and are overwritten by the next write. A tree verify writes siblings at one
+position into different slots and passes an explicit mask.
 """
 
 from __future__ import annotations
@@ -21,20 +28,30 @@ from .config import TargetConfig
 from .layers import RMSNorm, Rotary, apply_rotary, attend
 
 
-class KVCache(nn.Module):
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+class KVCache:
+    """Keys and values of every layer for `batch` sequences of `slots` cache slots each:
+    k, v [layers, batch, kv_heads, slots, head_dim], preallocated once."""
 
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice):
-        """Store k/v [B, KV, T, D] of batch rows `rows` at positions [B, T]; return
-        those rows' first `used` slots."""
-        index = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        kc, vc = self.k[rows], self.v[rows]  # views: writes land in the cache
-        kc.transpose(1, 2)[index, positions] = k.transpose(1, 2)
-        vc.transpose(1, 2)[index, positions] = v.transpose(1, 2)
+    def __init__(self, layers: int, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, device):
+        shape = (layers, batch, kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice):
+        """Store k/v [B, KV, T, D] of batch rows `rows` in cache slots [B, T]; return those
+        rows' first `used` slots."""
+        index = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        kc, vc = self.k[layer, rows], self.v[layer, rows]  # views: writes land in the cache
+        kc.transpose(1, 2)[index, slots] = k.transpose(1, 2)
+        vc.transpose(1, 2)[index, slots] = v.transpose(1, 2)
         return kc[:, :, :used], vc[:, :, :used]
 
 
@@ -52,9 +69,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, positions, mask, used, rows):
+    def forward(self, x, cos, sin, mask, write):
+        """`write(k, v)` stores this layer's new keys/values in the cache and returns the
+        keys/values to attend to (or, without a cache, returns them unchanged)."""
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(
             [self.heads, self.kv_heads, self.kv_heads], dim=2)
@@ -62,7 +80,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        k, v = self.cache.write(positions, k, v.transpose(1, 2), used, rows)
+        k, v = write(k, v.transpose(1, 2))
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -101,8 +119,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask, used, rows):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, used, rows)
+    def forward(self, x, cos, sin, mask, write):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -115,7 +133,9 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A causal LM loaded from HF `*ForCausalLM` checkpoints (see `fuse_hf_weights`)."""
+    """A causal LM loaded from HF `*ForCausalLM` checkpoints of the Llama family."""
+
+    from_hf_weights = staticmethod(fuse_hf_weights)  # HF checkpoint names -> our fused parameters
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -125,7 +145,6 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.max_len = 0
 
     @property
     def device(self) -> torch.device:
@@ -135,18 +154,15 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def setup_caches(self, batch: int, max_len: int):
-        """Preallocate KV caches for `batch` sequences of up to `max_len` positions."""
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        """Preallocated keys/values for `batch` sequences of `slots` cache slots each."""
         cfg = self.config
-        for layer in self.model.layers:
-            layer.self_attn.cache = KVCache(batch, cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, self.device)
-        self.max_len = max_len
+        return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim, self.dtype,
+                       self.device)
 
-    def ensure_caches(self, batch: int, max_len: int):
-        """Reuse the caches when they fit `batch` rows of `max_len` positions, else reallocate."""
-        cache = self.model.layers[0].self_attn.cache
-        if cache is None or cache.k.shape[0] != batch or self.max_len < max_len:
-            self.setup_caches(batch, max_len)
+    def commit(self, cache: KVCache, rows: slice, committed: torch.Tensor):
+        """Called once the verified tokens of `rows` are settled (`committed` [B] tokens each).
+        Attention layers keep nothing besides their cache slots, so there is nothing to do."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
@@ -154,37 +170,53 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: tuple[int, ...] = (),
-                rows: slice = slice(None), features_only: bool = False):
-        """Run tokens [B, T] at absolute positions [B, T] through the model, updating the caches
-        of batch rows `rows` (all by default; a slice lets one sequence be prefilled alone).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None, *,
+                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, rows: slice = slice(None),
+                capture: tuple[int, ...] = (), features_only: bool = False):
+        """Run tokens [B, T] at absolute positions [B, T].
 
-        Returns the final-norm hidden states [B, T, H] (apply `logits` to the rows you need)
-        and, if `capture` names layers, their outputs concatenated as [B, T, len(capture)*H]
-        (layer i's output is HF's `hidden_states[i + 1]`), else None. `features_only` stops
-        after the deepest captured layer (training needs nothing later) and returns None for
-        the hidden states.
+        Without a cache the tokens attend among themselves (causally by position: training
+        and scoring). With one, their keys/values are written into `cache` rows `rows` at
+        `slots` [B, T] (default: their positions) and each query attends to the cache slots
+        `mask` [B, 1, T, S] allows (default: slots at positions <= its own, with slot =
+        position). Returns the final-norm hidden states [B, T, H] (apply `logits` to the
+        rows you need) and, if `capture` names layers, their outputs concatenated as
+        [B, T, len(capture)*H] (layer i's output is HF's `hidden_states[i + 1]`), else None.
+        `features_only` stops after the deepest captured layer and returns None for the
+        hidden states (training needs nothing later).
         """
-        used = int(positions.max()) + 1
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
-        mask = self._mask(positions, used)
+        if cache is None:
+            mask = self._mask(positions, positions) if mask is None else mask
+
+            def writer(i):
+                return lambda k, v: (k, v)
+        else:
+            slots = positions if slots is None else slots
+            used = int(slots.max()) + 1
+            if mask is None:
+                mask = self._mask(positions, torch.arange(used, device=positions.device).expand(positions.shape[0], -1))
+
+            def writer(i):
+                return lambda k, v: cache.write(i, slots, k, v, used, rows)
         captured = {}
         last = max(capture) if features_only and capture else len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers[: last + 1]):
-            x = layer(x, cos, sin, positions, mask, used, rows)
+            x = layer(x, cos, sin, mask, writer(i))
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return (None if features_only else self.model.norm(x)), features
 
-    def _mask(self, positions: torch.Tensor, used: int) -> torch.Tensor | None:
+    def _mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """[B, 1, T, S]: a query sees keys at positions <= its own (within the sliding window)."""
         window = self.config.sliding_window
-        b, t = positions.shape
-        if b == 1 and t == 1 and (window is None or used <= window):
+        b, t = query_positions.shape
+        if b == 1 and t == 1 and (window is None or key_positions.shape[-1] <= window):
             return None  # one query at the newest position sees every slot
-        keys = torch.arange(used, device=positions.device)
-        query = positions[:, None, :, None]
+        query = query_positions[:, None, :, None]
+        keys = key_positions[:, None, None, :]
         mask = keys <= query
         if window is not None:
             mask &= keys > query - window

@@ -365,10 +365,9 @@ class Trainer:
         n, width = tokens.shape
         teacher = None
         with torch.no_grad():
-            self.target.ensure_caches(n, width)
             positions = torch.arange(width, device=dev).expand(n, -1)
             soft = self.cfg.distill > 0 and self.cfg.arch == "dflash"
-            final, features = self.target(tokens, positions, tuple(self.drafter.config.target_layer_ids),
+            final, features = self.target(tokens, positions, capture=tuple(self.drafter.config.target_layer_ids),
                                           features_only=not soft)
             if soft:  # position p + k is predicted by the target's state at p + k - 1
                 before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
