@@ -125,6 +125,15 @@ class DecodeState:
         self.committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
         self.pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
 
+    def chain_layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cache slots and attention mask [B, 1, T, S] for verifying chains of tokens at
+        `positions` [B, T]: a token's slot is its position, and it sees every slot up to its
+        own (the committed context and the block's earlier tokens; stale slots past a row's
+        length are never seen). A tree verify would put siblings in other slots instead."""
+        used = int(positions.max()) + 1
+        keys = torch.arange(used, device=positions.device).expand(positions.shape[0], -1)
+        return positions, self.target.attention_mask(positions, keys)
+
     def start(self, rows: slice, lengths: torch.Tensor, first: torch.Tensor):
         """Rows `rows` were just prefilled with prompts of `lengths` and emitted `first`."""
         self.committed[rows], self.pending[rows] = lengths, first
@@ -244,7 +253,8 @@ class DecodeLoop:
         t1 = clock(device)
         block = torch.cat([pending[:, None], drafts], dim=1)
         positions = committed[:, None] + torch.arange(block_size, device=device)
-        hidden, features = self.target(block, positions, self.state.cache, rows=rows,
+        slots, mask = self.state.chain_layout(positions)
+        hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        capture=self.proposer.capture_layers)
         target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
         accepted = acceptance(drafts, target_ids)

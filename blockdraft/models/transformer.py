@@ -188,7 +188,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         if cache is None:
-            mask = self._mask(positions, positions) if mask is None else mask
+            mask = self.attention_mask(positions, positions) if mask is None else mask
 
             def writer(i):
                 return lambda k, v: (k, v)
@@ -196,7 +196,8 @@ class Transformer(nn.Module):
             slots = positions if slots is None else slots
             used = int(slots.max()) + 1
             if mask is None:
-                mask = self._mask(positions, torch.arange(used, device=positions.device).expand(positions.shape[0], -1))
+                keys = torch.arange(used, device=positions.device).expand(positions.shape[0], -1)
+                mask = self.attention_mask(positions, keys)
 
             def writer(i):
                 return lambda k, v: cache.write(i, slots, k, v, used, rows)
@@ -209,8 +210,9 @@ class Transformer(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return (None if features_only else self.model.norm(x)), features
 
-    def _mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
-        """[B, 1, T, S]: a query sees keys at positions <= its own (within the sliding window)."""
+    def attention_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """[B, 1, T, S]: a query sees keys at positions <= its own (within the sliding window);
+        None when that is everything (one query at the newest position)."""
         window = self.config.sliding_window
         b, t = query_positions.shape
         if b == 1 and t == 1 and (window is None or key_positions.shape[-1] <= window):
