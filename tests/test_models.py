@@ -101,3 +101,33 @@ def test_unsupported_or_missing_folder_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(BlockdraftError, match="unsupported architecture 'gpt2'"):
         load_target(tmp_path)
+
+
+def test_cache_slots_apart_from_positions_with_an_explicit_mask(tmp_path):
+    """The target interface a tree verify needs: tokens written into arbitrary cache slots,
+    seen through an explicit mask, give the same logits as the default layout (slot =
+    position); and two siblings at one position in different slots do not see each other."""
+    save_tiny_hf("llama", tmp_path)
+    ours = load_target(tmp_path)
+    ids = list(range(10, 30))
+    with torch.no_grad():
+        ref, _ = ours(torch.tensor([ids]), torch.arange(20)[None], ours.new_cache(1, 64))
+        cache = ours.new_cache(1, 64)
+        ours(torch.tensor([ids[:12]]), torch.arange(12)[None], cache)  # slots 0..11 = positions 0..11
+        # positions 12..19 go to slots 40..47 in reverse order; the mask says which slot holds what
+        slots = torch.arange(47, 39, -1)[None]
+        slot_pos = torch.full((64,), 10**6)
+        slot_pos[:12] = torch.arange(12)
+        slot_pos[slots[0]] = torch.arange(12, 20)
+        pos = torch.arange(12, 20)[None]
+        mask = (slot_pos[None, None, None, :48] <= pos[:, None, :, None])
+        h, _ = ours(torch.tensor([ids[12:]]), pos, cache, slots=slots, mask=mask)
+        torch.testing.assert_close(ours.logits(h), ours.logits(ref[:, 12:]), atol=1e-5, rtol=1e-5)
+        # siblings: two candidates for position 12 in slots 50 and 51, each seeing the context only
+        sib = torch.tensor([[ids[12], 3]])
+        sib_slots = torch.tensor([[50, 51]])
+        sib_mask = torch.zeros(1, 1, 2, 52, dtype=torch.bool)
+        sib_mask[..., :12] = True
+        sib_mask[0, 0, 0, 50] = sib_mask[0, 0, 1, 51] = True
+        hs, _ = ours(sib, torch.tensor([[12, 12]]), cache, slots=sib_slots, mask=sib_mask)
+        torch.testing.assert_close(ours.logits(hs[:, :1]), ours.logits(ref[:, 12:13]), atol=1e-5, rtol=1e-5)
