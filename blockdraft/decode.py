@@ -125,14 +125,28 @@ class DecodeState:
         self.committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
         self.pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
 
-    def chain_layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cache slots and attention mask [B, 1, T, S] for verifying chains of tokens at
-        `positions` [B, T]: a token's slot is its position, and it sees every slot up to its
-        own (the committed context and the block's earlier tokens; stale slots past a row's
-        length are never seen). A tree verify would put siblings in other slots instead."""
-        used = int(positions.max()) + 1
-        keys = torch.arange(used, device=positions.device).expand(positions.shape[0], -1)
-        return positions, self.target.attention_mask(positions, keys)
+    def chain_layout(self, positions: torch.Tensor, group_rows: int = 0):
+        """Cache slots, attention mask [B, 1, T, S] and attention groups for verifying chains of
+        tokens at `positions` [B, T]: a token's slot is its position, and it sees every slot up
+        to its own (the committed context and the block's earlier tokens; stale slots past a
+        row's length are never seen). A tree verify would put siblings in other slots instead.
+        With `group_rows`, attention runs per range of that many rows, each over the slots its
+        longest row needs (None: one range)."""
+        b = positions.shape[0]
+        ends = positions[:, -1].tolist()  # the last position of each row (one host sync)
+        used = max(ends) + 1
+        keys = torch.arange(used, device=positions.device).expand(b, -1)
+        groups = None
+        if group_rows and b > group_rows:
+            groups = [(slice(i, min(i + group_rows, b)), max(ends[i:i + group_rows]) + 1)
+                      for i in range(0, b, group_rows)]
+        return positions, self.target.attention_mask(positions, keys), groups
+
+    def permute(self, order: torch.Tensor):
+        """Reorder the rows (row i becomes old row order[i]), caches included."""
+        self.committed, self.pending = self.committed[order], self.pending[order]
+        self.cache.k, self.cache.v = self.cache.k[:, order], self.cache.v[:, order]
+        self.proposer.permute(order)
 
     def start(self, rows: slice, lengths: torch.Tensor, first: torch.Tensor):
         """Rows `rows` were just prefilled with prompts of `lengths` and emitted `first`."""
@@ -158,7 +172,8 @@ class DecodeLoop:
     (`generate_steps`) and the server's scheduler drive this class.
     """
 
-    def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int):
+    def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int,
+                 sort_every: int = 0, group_rows: int = 16):
         if proposer.max_block_size is None:
             block_size = 1
         elif not 2 <= block_size <= proposer.max_block_size:
@@ -166,6 +181,12 @@ class DecodeLoop:
                                   f"trained block size {proposer.max_block_size}")
         self.target, self.proposer, self.block_size = target, proposer, block_size
         self.slots, self.max_len = slots, max_len
+        # Large batches of rows at mixed lengths: every `sort_every` steps the rows are sorted
+        # by length (free slots last) and attention runs per `group_rows` rows, each group
+        # reading only the cache slots its longest row needs (0: never sort).
+        if sort_every and not proposer.can_permute:
+            raise BlockdraftError(f"the {proposer.name} proposer cannot reorder its rows (sort_every)")
+        self.sort_every, self.group_rows, self.steps = sort_every, group_rows, 0
         self.state = DecodeState(target, proposer, slots, max_len)
         self.keys: list = [None] * slots  # the request key each slot serves (None: free)
         self.requests: list[Request | None] = [None] * slots
@@ -236,11 +257,26 @@ class DecodeLoop:
         self.state.start(rows, lengths, first)
         return {key: _emit(req, state, [int(t)]) for (_, (key, req, state)), t in zip(run, first.tolist())}
 
+    def sort_rows(self):
+        """Put occupied rows first, longest first, free slots last (keys move with their rows)."""
+        committed = self.state.committed.tolist()
+        order = sorted(range(self.slots), key=lambda b: (self.keys[b] is None, -committed[b]))
+        if order == list(range(self.slots)):
+            return
+        self.keys = [self.keys[b] for b in order]
+        self.requests = [self.requests[b] for b in order]
+        self.states = [self.states[b] for b in order]
+        self.params = [self.params[b] for b in order]
+        self.state.permute(torch.tensor(order, device=self.state.committed.device))
+
     def step(self, block_size: int | None = None) -> Step:
         """One draft -> verify -> accept round over slots 0..last occupied (free slots in
         between are recomputed harmlessly at their old positions). `block_size` may differ
         from step to step (adaptive speculation), up to the loop's."""
         block_size = self.block_size if block_size is None else max(1, min(block_size, self.block_size))
+        self.steps += 1
+        if self.sort_every and self.steps % self.sort_every == 0:
+            self.sort_rows()
         occupied = [b for b in range(self.slots) if self.keys[b] is not None]
         if not occupied:
             return Step({}, {})
@@ -253,9 +289,9 @@ class DecodeLoop:
         t1 = clock(device)
         block = torch.cat([pending[:, None], drafts], dim=1)
         positions = committed[:, None] + torch.arange(block_size, device=device)
-        slots, mask = self.state.chain_layout(positions)
+        slots, mask, groups = self.state.chain_layout(positions, self.group_rows if self.sort_every else 0)
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
-                                       capture=self.proposer.capture_layers)
+                                       groups=groups, capture=self.proposer.capture_layers)
         target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
         accepted = acceptance(drafts, target_ids)
         t2 = clock(device)

@@ -20,6 +20,7 @@ class Proposer:
     name = "ar"
     capture_layers: tuple[int, ...] = ()  # target layers whose features `observe` needs
     max_block_size: int | None = None  # largest block the drafter supports (None: any)
+    can_permute = True  # `permute` is implemented (rows may be reordered between steps)
     default_block_size: int | None = None  # block used when none is asked for (None: the largest)
 
     def reset(self, batch: int, max_len: int) -> None:
@@ -37,11 +38,15 @@ class Proposer:
         last committed token and its position p ([B] each)."""
         return last_tokens.new_zeros(last_tokens.shape[0], 0)
 
+    def permute(self, order: torch.Tensor) -> None:
+        """Reorder the batch rows: row i becomes old row order[i] (no state here)."""
+
 
 class DFlashProposer(Proposer):
     """Drafts a whole block in one drafter forward from the target's context features."""
 
     name = "dflash"
+    can_permute = False
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer):
         drafter.check_target(target.config)
@@ -88,6 +93,9 @@ class LookupProposer(Proposer):
     def reset(self, batch, max_len):
         self.history = np.zeros((batch, max_len + 1), dtype=np.int64)
 
+    def permute(self, order):
+        self.history = self.history[order.cpu().numpy()]
+
     def observe(self, tokens, features, positions, rows=slice(None)):
         hist = self.history[rows]
         index = positions.cpu().numpy()
@@ -129,6 +137,7 @@ class EagleProposer(Proposer):
     are overwritten once those positions are committed."""
 
     name = "eagle3"
+    can_permute = False
 
     def __init__(self, drafter, target: Transformer):
         drafter.check_target(target.config)

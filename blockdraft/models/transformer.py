@@ -70,9 +70,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, write):
+    def forward(self, x, cos, sin, mask, write, groups=None):
         """`write(k, v)` stores this layer's new keys/values in the cache and returns the
-        keys/values to attend to (or, without a cache, returns them unchanged)."""
+        keys/values to attend to (or, without a cache, returns them unchanged). `groups`:
+        (row range, slots) pairs: each range of rows attends to its own first slots only."""
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(
             [self.heads, self.kv_heads, self.kv_heads], dim=2)
@@ -81,7 +82,11 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         k, v = write(k, v.transpose(1, 2))
-        out = attend(q, k, v, mask)
+        if groups is None:
+            out = attend(q, k, v, mask)
+        else:  # views, no copies: reads only the slots each range of rows can see
+            out = torch.cat([attend(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
+                             for r, u in groups])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -119,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, write):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write)
+    def forward(self, x, cos, sin, mask, write, groups=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write, groups)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,7 +177,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None, *,
                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, rows: slice = slice(None),
-                capture: tuple[int, ...] = (), features_only: bool = False):
+                groups: list[tuple[slice, int]] | None = None, capture: tuple[int, ...] = (),
+                features_only: bool = False):
         """Run tokens [B, T] at absolute positions [B, T].
 
         Without a cache the tokens attend among themselves (causally by position: training
@@ -183,7 +189,9 @@ class Transformer(nn.Module):
         rows you need) and, if `capture` names layers, their outputs concatenated as
         [B, T, len(capture)*H] (layer i's output is HF's `hidden_states[i + 1]`), else None.
         `features_only` stops after the deepest captured layer and returns None for the
-        hidden states (training needs nothing later).
+        hidden states (training needs nothing later). `groups` [(row range, slots), ...] splits
+        attention by ranges of rows, each reading only the cache slots it needs (rows sorted
+        by length then skip the padding up to the longest row).
         """
         x = self.embed(tokens)
         cos, sin = self.rotary(positions, x.dtype)
@@ -204,7 +212,7 @@ class Transformer(nn.Module):
         captured = {}
         last = max(capture) if features_only and capture else len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers[: last + 1]):
-            x = layer(x, cos, sin, mask, writer(i))
+            x = layer(x, cos, sin, mask, writer(i), groups)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -246,7 +246,10 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     proposer = engine.proposer(method)
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
-    loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block)
+    # rows sorted by length every 32 steps, attention per 16 rows: long and short rows stop
+    # paying for each other's cache slots (only proposers that can reorder rows)
+    loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
+                      sort_every=32 if proposer.can_permute and batch_size > 16 else 0)
     stats, t0 = RegenStats(), time.perf_counter()
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
