@@ -37,9 +37,15 @@ def main():
     ap.add_argument("--profile", type=int, metavar="ROWS",
                     help="instead: profile --window seconds of the loop at ROWS rows (after its first turnover) and "
                          "print where the time goes, by operator")
+    ap.add_argument("--offset", type=int, default=0, help="--compare-sorting: skip this many prompts of the mix first")
+    ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
+                    help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
+                         "length + grouped attention and without, twice each, interleaved, and print the wall times")
     args = ap.parse_args()
     if args.profile:
         return profile(args)
+    if args.compare_sorting:
+        return compare_sorting(args)
     engine = Engine.load(use_draft=False)
     rows = []
     for batch in args.batches:
@@ -74,6 +80,29 @@ def main():
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['answer_tok_s']} | {r['prompt_tok_s']} | {r['warmup_seconds']} |")
+
+
+def compare_sorting(args):
+    import itertools
+
+    from blockdraft.decode import DecodeLoop
+
+    engine = Engine.load(use_draft=False)
+    prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
+                                    args.offset, args.offset + args.compare_sorting))
+    batch, plain_init = max(args.batches), DecodeLoop.__init__
+    for sort_every in (0, 32, 0, 32):
+        def init(self, *a, sort_every_=sort_every, **k):
+            k["sort_every"] = sort_every_
+            plain_init(self, *a, **k)
+        DecodeLoop.__init__ = init
+        t0 = time.perf_counter()
+        stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
+                               max_prompt_tokens=args.max_prompt_tokens)
+        seconds = time.perf_counter() - t0
+        DecodeLoop.__init__ = plain_init
+        print(f"rows sorted every {sort_every or '-'} steps: {stats.tokens} answer + {stats.prompt_tokens} prompt "
+              f"tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
 
 
 def profile(args):
