@@ -85,22 +85,15 @@ def main():
 def compare_sorting(args):
     import itertools
 
-    from blockdraft.decode import DecodeLoop
-
     engine = Engine.load(use_draft=False)
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
                                     args.offset, args.offset + args.compare_sorting))
-    batch, plain_init = max(args.batches), DecodeLoop.__init__
+    batch = max(args.batches)
     for sort_every in (0, 32, 0, 32):
-        def init(self, *a, sort_every_=sort_every, **k):
-            k["sort_every"] = sort_every_
-            plain_init(self, *a, **k)
-        DecodeLoop.__init__ = init
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
-                               max_prompt_tokens=args.max_prompt_tokens)
+                               max_prompt_tokens=args.max_prompt_tokens, sort_every=sort_every)
         seconds = time.perf_counter() - t0
-        DecodeLoop.__init__ = plain_init
         print(f"rows sorted every {sort_every or '-'} steps: {stats.tokens} answer + {stats.prompt_tokens} prompt "
               f"tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
 

@@ -238,18 +238,21 @@ def _seed(sample_id: str) -> int:
 @torch.inference_mode()
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
                    temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", max_prompt_tokens: int = 256,
-                   seconds: float | None = None, until=None, on_sample=None, bar=None) -> RegenStats:
+                   seconds: float | None = None, until=None, on_sample=None, bar=None,
+                   sort_every: int | None = None) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
     step, free slots take the next prompts (prefilled together); finished rows go to `on_sample`.
     With `seconds`, the loop stops after that long, with `until` once `until(stats)` is true
-    (checked every step); rows still running are then dropped."""
+    (checked every step); rows still running are then dropped. `sort_every` (default: 32 when
+    the proposer can reorder rows and there are more than 16) sorts rows by length that often."""
     proposer = engine.proposer(method)
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
     # rows sorted by length every 32 steps, attention per 16 rows: long and short rows stop
     # paying for each other's cache slots (only proposers that can reorder rows)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
-                      sort_every=32 if proposer.can_permute and batch_size > 16 else 0)
+                      sort_every=(32 if proposer.can_permute and batch_size > 16 else 0) if sort_every is None
+                      else sort_every)
     stats, t0 = RegenStats(), time.perf_counter()
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
