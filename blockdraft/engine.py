@@ -92,6 +92,9 @@ class Engine:
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
         self.packed = packed
+        quantization = getattr(target, "quantization", None)
+        # which weights run: "float32", "bfloat16", ... or a quantized format ("q4_1")
+        self.weights = quantization["format"] if quantization else str(target.dtype).removeprefix("torch.")
         if eagle is not None:
             eagle.check_target(target.config)
         self.target_name = target_name
@@ -105,18 +108,33 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
-             device=None, dtype: torch.dtype | None = None, use_draft: bool = True,
+             device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
         loaded on first use).
         `packed` (fp32 on CPU with MKL): multiply verify-sized inputs by prepacked weights
-        (`models.packed`; about 3x each model's weight memory per packed size, made on first use)."""
+        (`models.packed`; about 3x each model's weight memory per packed size, made on first use).
+        `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
+        target the GGUF file's own values, see `models.quant`); drafters stay fp32."""
         dev, dt = default_device()
+        quantized = dtype if isinstance(dtype, str) else None
+        if quantized is not None:
+            from .models.quant import QUANTIZED
+
+            if quantized not in QUANTIZED:
+                raise BlockdraftError(f"unknown weight format {quantized!r}; choose a torch dtype or one of "
+                                      f"{', '.join(QUANTIZED)}")
+            dev, dtype = torch.device("cpu"), torch.float32
         device, dtype = torch.device(device or dev), dtype or dt
         folder = Path(target) if target else default_target_dir()
         model = load_target(folder, device, dtype)
+        if quantized is not None:
+            from .models.default import gguf_path
+            from .models.quant import quantize_target
+
+            quantize_target(model, gguf_path() if target is None else None)
         tokenizer = load_tokenizer(folder)
         drafter, note = None, None
         if use_draft:
@@ -132,11 +150,8 @@ class Engine:
             from .eagle import EagleDrafter
 
             baseline = EagleDrafter.load(eagle, device, dtype)
-        packed = packed and pack_linears(model) > 0
-        if packed:
-            for module in (drafter, baseline):
-                if module is not None:
-                    pack_linears(module)
+        if packed:  # (a quantized target has no fp32 linears left to pack; its drafters do)
+            packed = sum(pack_linears(m) for m in (model, drafter, baseline) if m is not None) > 0
         return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
                    default_target=target is None, packed=packed)
 

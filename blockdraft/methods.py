@@ -68,6 +68,10 @@ register(Method("eagle3", "the EAGLE-3-style baseline drafter: a chain, one toke
                 drafter="eagle3"))
 register(Method("hf", "HF transformers' own generate on the same weights", peer=True, speculative=False))
 register(Method("hf-lookup", "HF transformers' prompt-lookup decoding", peer=True, default_block=11))
+register(Method("llamacpp", "llama.cpp on a GGUF of the same weights (optional extra: .[peers])", peer=True,
+                speculative=False))
+register(Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B - 1 tokens)", peer=True,
+                default_block=5))
 
 
 def names(include_peers: bool = False) -> list[str]:

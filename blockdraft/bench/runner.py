@@ -2,8 +2,8 @@
 
 Methods come from the registry (`blockdraft.methods`), peers included:
   ar            our plain autoregressive decoding (the reference for speedup_vs_ar)
-  hf            HF transformers `generate` on the same weights
-  hf-lookup[@B] HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1, default 10)
+  hf, hf-lookup[@B], llamacpp, llamacpp-lookup[@B]
+                the peers (`bench/peers.py`): HF transformers and llama.cpp on the same weights
   lookup[@B]    our prompt-lookup (n-gram) drafter, verified by our loop (default B = 4)
   eagle3[@B]    the EAGLE-3-style baseline drafter (shipped, or --eagle DIR), a chain of B-1 drafts
   dflash[@B]    the DFlash drafter at its trained block size, or at block size B
@@ -29,6 +29,7 @@ from .. import methods as registry
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
+from .peers import Peers
 from .stats import chi2_homogeneity
 
 DATASETS = {
@@ -71,48 +72,10 @@ def parse_method(name: str, engine) -> Method:
     return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)
 
 
-class HFRunner:
-    """HF transformers' own `generate` on the same weights (greedy, or sampled at T > 0)."""
-
-    def __init__(self, engine):
-        from transformers import AutoModelForCausalLM
-
-        self.engine = engine
-        self.model = AutoModelForCausalLM.from_pretrained(str(engine.target_name), dtype=engine.target.dtype)
-        self.model = self.model.to(engine.target.device).eval()
-
-    @torch.inference_mode()
-    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-                 lookup_tokens: int = 0) -> Generation:
-        eos = list(self.engine.stop_token_ids)
-        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                      do_sample=temperature > 0)
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
-            torch.manual_seed(seed)
-        if lookup_tokens:
-            kwargs["prompt_lookup_num_tokens"] = lookup_tokens
-        inputs = torch.tensor([ids], device=self.engine.target.device)
-        t0 = time.perf_counter()
-        out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
-        elapsed = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[: i + 1]
-                break
-        finish = "stop" if new and new[-1] in eos else "length"
-        return Generation(text=self.engine.tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
-                          num_prompt_tokens=len(ids), num_output_tokens=len(new), acceptance_lengths=[], tau=0.0,
-                          decode_seconds=elapsed, tokens_per_second=len(new) / elapsed if elapsed else 0.0,
-                          finish_reason=finish, method="hf-lookup" if lookup_tokens else "hf",
-                          block_size=lookup_tokens + 1)
-
-
-def _generate(engine, hf: HFRunner | None, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
-    if m.peer:  # the HF peers (hf, hf-lookup)
-        return hf.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                           lookup_tokens=m.block - 1 if m.kind == "hf-lookup" else 0)
+def _generate(engine, peers: Peers, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
+    if m.peer:
+        return peers.generate(m.kind, m.block, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed)
     return engine.generate(ids, method=m.kind, block_size=m.block if m.speculative else None,
                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
@@ -136,13 +99,15 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
 
 
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
-              temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1) -> dict:
+              temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1,
+              gguf: str | None = None) -> dict:
     parsed = [parse_method(m, engine) for m in methods]
-    hf = HFRunner(engine) if any(m.peer for m in parsed) else None
+    peers = Peers(engine, gguf)
+    peers.check([m.kind for m in parsed])
     if warmup:
         ids = engine.encode("Hello", chat=True)
         for m in parsed:
-            _generate(engine, hf, m, ids, 4, temperature, seed)
+            _generate(engine, peers, m, ids, 4, temperature, seed)
     keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
     per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
            for m in parsed}
@@ -154,7 +119,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                 messages, outs = [], []
                 for turn in rec["turns"]:
                     messages.append({"role": "user", "content": turn})
-                    out = _generate(engine, hf, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
+                    out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
                     messages.append({"role": "assistant", "content": out.text})
                     outs.append(out)
                     p = per[m.name]
@@ -270,11 +235,11 @@ def cpu_name() -> str:
 def machine_info(engine) -> dict:
     return {"platform": platform.platform(), "processor": cpu_name(),
             "threads": torch.get_num_threads(), "device": str(engine.target.device),
-            "dtype": str(engine.target.dtype), "torch": torch.__version__}
+            "dtype": str(engine.target.dtype), "weights": engine.weights, "torch": torch.__version__}
 
 
 def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
-                  first_turn_only=False, repeats=1, check_distribution=0) -> dict:
+                  first_turn_only=False, repeats=1, check_distribution=0, gguf=None) -> dict:
     """Run every dataset (comma-separated names) and write results.json (one dataset) or
     DATASET/results.json (several), plus report.md and plots, into `out`."""
     names = [prompts_file] if prompts_file else [d for d in dataset.split(",") if d]
@@ -283,10 +248,14 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
         records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
         t0 = time.time()
         results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
-                            repeats=repeats)
+                            repeats=repeats, gguf=gguf)
         report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
                   "methods": results, "machine": machine_info(engine)}
+        if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
+            from .peers import LlamaCppRunner
+
+            report["gguf"] = LlamaCppRunner.describe(engine, gguf)
         if check_distribution:
             report["distribution_check"] = distribution_check(engine, methods, records, samples=check_distribution,
                                                               temperature=temperature or 1.0)

@@ -95,3 +95,58 @@ class SwiGLU(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads. q: [B,H,T,D], k/v: [B,KV,S,D]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def chunked_mask(mask: torch.Tensor, heads_per_kv: int) -> torch.Tensor:
+    """A boolean mask [B, 1, T, S] as the additive mask `attend_chunked` takes: [B, 1, G*T, S]
+    (0 where allowed, -inf elsewhere), made once per forward and shared by every layer."""
+    b, _, t, s = mask.shape
+    grouped = mask.expand(b, heads_per_kv, t, s).reshape(b, 1, heads_per_kv * t, s)
+    return torch.zeros(grouped.shape, dtype=torch.float32, device=mask.device).masked_fill_(~grouped, float("-inf"))
+
+
+def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor,
+                   chunk: int) -> torch.Tensor:
+    """Attention whose result for a query does not depend on the other queries of the call
+    nor on how many masked key slots follow its own: bit for bit, a token verified in a block
+    gets what it got decoded alone. q [B,H,T,D]; k/v [B,KV,S,D] with S a multiple of `chunk`;
+    `additive` from `chunked_mask`.
+
+    Why: MKL's products and torch's reductions change their summation order with the length
+    of the reduced dimension, so SDPA over 100 keys and over 100 keys + 7 masked ones differ in
+    the last bits. Harmless in fp32; with bf16-rounded activations (quantized weights) one
+    flipped rounding grows into a different token. Here each query's scores are plain dot
+    products over the head dimension (independent of S), the softmax runs over a multiple of 16
+    keys (masked ones add exact zeros), and probabilities meet values in fixed chunks of keys
+    whose partial sums are added in chunk order (a fully masked chunk adds exact zeros).
+    Each query's dot products must also not depend on how many queries share the product:
+    MKL's are for many head shapes (SmolLM2's 9 heads / 3 KV heads / 64 dims among them) but
+    not all; `chunked_attention_is_exact` checks a shape."""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    scores = torch.matmul(q.reshape(b, kv, g * t, d), k.transpose(-1, -2)) * (d ** -0.5)
+    p = torch.softmax(scores + additive, dim=-1)
+    n = s // chunk
+    out = torch.matmul(p.view(b, kv, g * t, n, chunk).transpose(2, 3), v.view(b, kv, n, chunk, d)).sum(2)
+    return out.view(b, h, t, d)
+
+
+def chunked_attention_is_exact(heads: int, kv_heads: int, head_dim: int, chunk: int, block: int = 16) -> bool:
+    """Whether `attend_chunked` gives a query verified among `block` queries bit for bit what it
+    gets alone, for this head shape on this machine (random data, several context lengths)."""
+    gen = torch.Generator().manual_seed(0)
+    for start in (1, chunk - 3, 3 * chunk + 5):
+        slots = -(-(start + block) // chunk) * chunk
+        q = torch.randn(1, heads, block, head_dim, generator=gen)
+        k, v = (torch.randn(1, kv_heads, slots, head_dim, generator=gen) for _ in range(2))
+        pos = torch.arange(start, start + block)
+        mask = (torch.arange(slots)[None] <= pos[:, None])[None, None]
+        together = attend_chunked(q, k, v, chunked_mask(mask, heads // kv_heads), chunk)
+        for j in range(block):
+            n = -(-(start + j + 1) // chunk) * chunk
+            alone = attend_chunked(q[:, :, j:j + 1], k[:, :, :n], v[:, :, :n],
+                                   chunked_mask(mask[:, :, j:j + 1, :n], heads // kv_heads), chunk)
+            if not torch.equal(alone, together[:, :, j:j + 1]):
+                return False
+    return True

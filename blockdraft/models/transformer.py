@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import RMSNorm, Rotary, apply_rotary, attend
+from .layers import RMSNorm, Rotary, apply_rotary, attend, attend_chunked, chunked_mask
 
 
 class KVCache:
@@ -69,6 +69,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.chunk = 0  # > 0: cached forwards use `attend_chunked` with chunks of this many keys
 
     def forward(self, x, cos, sin, mask, write, groups=None):
         """`write(k, v)` stores this layer's new keys/values in the cache and returns the
@@ -82,10 +83,15 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         k, v = write(k, v.transpose(1, 2))
+        chunked = self.chunk and mask is not None and mask.dtype != torch.bool  # (an additive chunked mask)
+
+        def run(q, k, v, mask):
+            return attend_chunked(q, k, v, mask, self.chunk) if chunked else attend(q, k, v, mask)
+
         if groups is None:
-            out = attend(q, k, v, mask)
+            out = run(q, k, v, mask)
         else:  # views, no copies: reads only the slots each range of rows can see
-            out = torch.cat([attend(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
+            out = torch.cat([run(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
                              for r, u in groups])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -153,15 +159,33 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of activations and of the KV cache (quantized weights keep their own)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def attention_chunk(self) -> int:
+        """0: attention by SDPA. C > 0: cached forwards use `attend_chunked` (bit-identical for a
+        token whether it is decoded alone or verified in a block), reading keys in chunks of C
+        slots. Quantized weights turn it on (`models.quant`)."""
+        layers = self.model.layers
+        return layers[0].self_attn.chunk if len(layers) else 0
+
+    def set_attention_chunk(self, chunk: int):
+        if chunk and chunk % 16:
+            raise ValueError("the attention chunk must be a multiple of 16")
+        for layer in self.model.layers:
+            layer.self_attn.chunk = chunk
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
-        """Preallocated keys/values for `batch` sequences of `slots` cache slots each."""
+        """Preallocated keys/values for `batch` sequences of `slots` cache slots each (rounded up
+        to whole attention chunks)."""
         cfg = self.config
+        if self.attention_chunk:
+            slots = -(-slots // self.attention_chunk) * self.attention_chunk
         return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim, self.dtype,
                        self.device)
 
@@ -203,9 +227,18 @@ class Transformer(nn.Module):
         else:
             slots = positions if slots is None else slots
             used = int(slots.max()) + 1
+            chunk = self.attention_chunk
+            if chunk:  # whole chunks of keys; the slots past a query's own are masked
+                used = min(-(-used // chunk) * chunk, cache.slots)
+                if mask is not None and mask.shape[-1] < used:
+                    mask = F.pad(mask, (0, used - mask.shape[-1]), value=False)
+                if groups is not None:
+                    groups = [(r, min(-(-u // chunk) * chunk, used)) for r, u in groups]
             if mask is None:
                 keys = torch.arange(used, device=positions.device).expand(positions.shape[0], -1)
-                mask = self.attention_mask(positions, keys)
+                mask = self.attention_mask(positions, keys, always=bool(chunk))
+            if chunk:
+                mask = chunked_mask(mask[..., :used], self.config.num_attention_heads // self.config.num_key_value_heads)
 
             def writer(i):
                 return lambda k, v: cache.write(i, slots, k, v, used, rows)
@@ -218,12 +251,13 @@ class Transformer(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return (None if features_only else self.model.norm(x)), features
 
-    def attention_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+    def attention_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                       always: bool = False) -> torch.Tensor | None:
         """[B, 1, T, S]: a query sees keys at positions <= its own (within the sliding window);
-        None when that is everything (one query at the newest position)."""
+        None when that is everything (one query at the newest position), unless `always`."""
         window = self.config.sliding_window
         b, t = query_positions.shape
-        if b == 1 and t == 1 and (window is None or key_positions.shape[-1] <= window):
+        if not always and b == 1 and t == 1 and (window is None or key_positions.shape[-1] <= window):
             return None  # one query at the newest position sees every slot
         query = query_positions[:, None, :, None]
         keys = key_positions[:, None, None, :]

@@ -1,0 +1,172 @@
+"""Peers: other programs' generation on the same weights, timed like ours in `blockdraft bench`.
+
+  hf                  HF transformers' `generate` on the target folder
+  hf-lookup[@B]       HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1)
+  llamacpp            llama.cpp (llama-cpp-python) on a GGUF of the same weights
+  llamacpp-lookup[@B] llama.cpp with its prompt-lookup drafts (`num_pred_tokens` = B - 1)
+
+Every peer gets the token ids we would decode (same chat template, same prompt) and stops
+at the same end-of-turn tokens; its time covers the whole request, prefill included, as
+`Engine.generate`'s does. llama.cpp's threads are set to torch's.
+
+llama.cpp reads GGUF files. For the default target in fp32 the peers run the F32
+de-quantization of its GGUF (exactly the fp32 weights blockdraft runs; written once, or by
+`blockdraft export gguf`), and with `--dtype q4_1` the original Q4_1 file (the integers our
+quantized path runs). `--gguf FILE` names another file (a GGUF of another target). llama-cpp-python is an optional extra, compiled from source:
+`pip install '.[peers]'`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import Generation
+from ..errors import BlockdraftError
+
+LLAMACPP_HINT = ("llama.cpp peers need llama-cpp-python: pip install '.[peers]' "
+                 "(compiles llama.cpp from source, about 10 minutes on 2 cores)")
+
+
+def llamacpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _finish(engine, ids: list[int], new: list[int], elapsed: float, method: str, block: int) -> Generation:
+    eos = set(engine.stop_token_ids)
+    for i, t in enumerate(new):
+        if t in eos:
+            new = new[: i + 1]
+            break
+    finish = "stop" if new and new[-1] in eos else "length"
+    return Generation(text=engine.tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
+                      num_prompt_tokens=len(ids), num_output_tokens=len(new), acceptance_lengths=[], tau=0.0,
+                      decode_seconds=elapsed, tokens_per_second=len(new) / elapsed if elapsed else 0.0,
+                      finish_reason=finish, method=method, block_size=block)
+
+
+class HFRunner:
+    """HF transformers' own `generate` on the same weights (greedy, or sampled at T > 0)."""
+
+    def __init__(self, engine):
+        from transformers import AutoModelForCausalLM
+
+        self.engine = engine
+        self.model = AutoModelForCausalLM.from_pretrained(str(engine.target_name), dtype=engine.target.dtype)
+        self.model = self.model.to(engine.target.device).eval()
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 lookup_tokens: int = 0) -> Generation:
+        eos = list(self.engine.stop_token_ids)
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                      do_sample=temperature > 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
+        if lookup_tokens:
+            kwargs["prompt_lookup_num_tokens"] = lookup_tokens
+        inputs = torch.tensor([ids], device=self.engine.target.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        elapsed = time.perf_counter() - t0
+        return _finish(self.engine, ids, out[0, len(ids):].tolist(), elapsed,
+                       "hf-lookup" if lookup_tokens else "hf", lookup_tokens + 1)
+
+
+def default_gguf(engine) -> Path:
+    """The GGUF with the engine's own weights: for the default target in fp32 its F32 file
+    (written once), with --dtype q4_1 the original Q4_1 file."""
+    if not getattr(engine, "default_target", False):
+        raise BlockdraftError("llamacpp on a --target folder needs --gguf FILE (a GGUF of the same weights, "
+                              "e.g. from llama.cpp's convert_hf_to_gguf.py --outtype f32)")
+    from ..models.default import gguf_path
+    from ..models.gguf import default_f32_gguf
+
+    return gguf_path() if engine.weights == "q4_1" else default_f32_gguf()
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python, one model instance per number of lookup drafts."""
+
+    def __init__(self, engine, gguf: str | Path | None = None, context: int = 4096):
+        if not llamacpp_available():
+            raise BlockdraftError(LLAMACPP_HINT)
+        self.engine = engine
+        self.path = Path(gguf) if gguf else default_gguf(engine)
+        if not self.path.is_file():
+            raise BlockdraftError(f"GGUF file not found: {self.path}")
+        self.context = context
+        self._models = {}
+
+    @staticmethod
+    def describe(engine, gguf: str | Path | None) -> str:
+        """'NAME (F32)': the file the llamacpp peers ran, for reports."""
+        from ..models.gguf import gguf_tensor_type
+
+        path = Path(gguf) if gguf else default_gguf(engine)
+        return f"{path.name} ({gguf_tensor_type(path)})"
+
+    def model(self, lookup_tokens: int):
+        llm = self._models.get(lookup_tokens)
+        if llm is None:
+            from llama_cpp import Llama
+
+            kwargs = {}
+            if lookup_tokens:
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+            threads = torch.get_num_threads()
+            llm = self._models[lookup_tokens] = Llama(
+                model_path=str(self.path), n_ctx=self.context, n_threads=threads, n_threads_batch=threads,
+                verbose=False, **kwargs)
+        return llm
+
+    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 lookup_tokens: int = 0) -> Generation:
+        if len(ids) + max_new_tokens > self.context:
+            raise BlockdraftError(f"llamacpp: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                                  f"its context of {self.context} tokens")
+        llm = self.model(lookup_tokens)
+        eos = set(self.engine.stop_token_ids)
+        sampling = dict(temp=0.0, top_k=1) if temperature <= 0 else dict(temp=temperature, top_k=0)
+        llm.reset()  # no prefix reuse between requests: the prompt is prefilled every time, as ours is
+        if temperature > 0:
+            llm.set_seed(seed)
+        new = []
+        t0 = time.perf_counter()
+        for token in llm.generate(ids, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True, **sampling):
+            new.append(token)
+            if token in eos or len(new) >= max_new_tokens:
+                break
+        elapsed = time.perf_counter() - t0
+        return _finish(self.engine, ids, new, elapsed, "llamacpp-lookup" if lookup_tokens else "llamacpp",
+                       lookup_tokens + 1)
+
+
+class Peers:
+    """The peer runners a benchmark needs, made on first use."""
+
+    def __init__(self, engine, gguf: str | Path | None = None):
+        self.engine, self.gguf = engine, gguf
+        self._hf = self._llamacpp = None
+
+    def check(self, kinds):
+        """Fail early (before any generation) when a peer cannot run here."""
+        if any(k.startswith("llamacpp") for k in kinds) and not llamacpp_available():
+            raise BlockdraftError(LLAMACPP_HINT)
+
+    def generate(self, kind: str, block: int, ids: list[int], **kwargs) -> Generation:
+        lookup = block - 1 if kind.endswith("-lookup") else 0
+        if kind.startswith("llamacpp"):
+            if self._llamacpp is None:
+                self._llamacpp = LlamaCppRunner(self.engine, self.gguf)
+            return self._llamacpp.generate(ids, lookup_tokens=lookup, **kwargs)
+        if self._hf is None:
+            self._hf = HFRunner(self.engine)
+        return self._hf.generate(ids, lookup_tokens=lookup, **kwargs)

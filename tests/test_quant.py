@@ -1,0 +1,177 @@
+"""Quantized target weights (`--dtype q4_1`): the GGUF file's own integers, torch's int4/int8
+CPU kernels, and speculative decoding that stays lossless with respect to those weights."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockdraft.decode import Request, generate_steps
+from blockdraft.models import load_target
+from blockdraft.models import quant
+from blockdraft.models.default import default_target_dir, gguf_path
+from blockdraft.models.layers import attend_chunked, chunked_attention_is_exact, chunked_mask
+from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
+from blockdraft.sampling import SamplingParams, target_probs
+
+from .conftest import save_tiny_hf
+
+pytestmark = pytest.mark.skipif(not quant.int4_available(), reason="torch has no int4 CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def q4():
+    model = load_target(default_target_dir())
+    quant.quantize_target(model, gguf_path())
+    return model
+
+
+def test_gguf_integers_are_the_weights_we_run_in_fp32(smol):
+    """The file's Q4_1 / Q8_0 values, de-quantized, are exactly our fp32 weights (q and k rows
+    un-permuted from llama.cpp's rope layout)."""
+    tensors = quant._gguf_tensors(gguf_path())
+    cfg = smol.config
+    for i in (0, 29):
+        layer = smol.model.layers[i]
+        qkv = layer.self_attn.qkv_proj.weight.detach()
+        gate_up = layer.mlp.gate_up_proj.weight.detach()
+        expected = {"attn_q": (cfg.num_attention_heads, qkv[:576]), "attn_k": (cfg.num_key_value_heads, qkv[576:768]),
+                    "attn_v": (None, qkv[768:]), "attn_output": (None, layer.self_attn.o_proj.weight.detach()),
+                    "ffn_gate": (None, gate_up[:1536]), "ffn_up": (None, gate_up[1536:]),
+                    "ffn_down": (None, layer.mlp.down_proj.weight.detach())}
+        for name, (heads, weight) in expected.items():
+            t = tensors[f"blk.{i}.{name}.weight"]
+            cols, rows = (int(x) for x in t.shape)
+            q, d, m = quant.q4_1_blocks(t.data, rows, cols)
+            assert int(q.max()) <= 15
+            if heads:
+                order = quant.unpermute_rows(heads, rows)
+                q, d, m = q[order], d[order], m[order]
+            deq = (q.float().view(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, cols)
+            assert torch.equal(deq, weight), f"blk.{i}.{name}"
+    t = tensors["token_embd.weight"]
+    q8, d8 = quant.q8_0_blocks(t.data, 49152, 576)
+    assert torch.equal(quant.Q8Embedding(q8, d8).dequantized(), smol.model.embed_tokens.weight.detach())
+
+
+def test_int4_linear_is_the_q4_1_product_and_row_independent():
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.1
+    q, d, m = quant.quantize_q4_1(w)
+    lin = quant.Int4Linear(q, d, m)
+    in_use = quant.Int4Linear.weight_in_use(q, d, m)
+    exact = (q.float().view(96, -1, 32) * d[..., None] + m[..., None]).view(96, 128)
+    assert (exact - w).abs().max() <= d.max() / 2 + 1e-3  # Q4_1 rounding: half a step (plus fp16 scales)
+    x = torch.randn(16, 128)
+    y = lin(x)
+    ref = x.bfloat16().float() @ in_use.T
+    assert (y - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 output rounding
+    for rows in (1, 3, 8, 15):  # a row's result does not depend on the other rows of the call
+        assert torch.equal(lin(x[:rows]), y[:rows])
+
+
+def test_chunked_attention_is_bit_identical_alone_and_in_a_block():
+    """For SmolLM2's head shape, a query verified in a block of 16 gets bit for bit what it gets
+    decoded alone, with any number of masked slots after its own; and it is SDPA up to rounding."""
+    assert chunked_attention_is_exact(9, 3, 64, 64)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 9, 16, 64), torch.randn(1, 3, 192, 64), torch.randn(1, 3, 192, 64)
+    mask = (torch.arange(192)[None] <= torch.arange(150, 166)[:, None])[None, None]
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert (attend_chunked(q, k, v, chunked_mask(mask, 3), 64) - sdpa).abs().max() < 1e-5
+
+
+def test_q4_1_target_stays_close_to_fp32(q4, smol, chat_ids):
+    summary = q4.quantization
+    assert summary["linears"] == 120 and summary["source"] == "gguf" and summary["exact_attention"]
+    assert summary["max_linear_error"] < 0.05 and summary["max_head_error"] < 0.02
+    agree = total = 0
+    with torch.inference_mode():
+        for ids in chat_ids[:4]:
+            x, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
+            a = smol.logits(smol(x, pos)[0])[0].argmax(-1)
+            b = q4.logits(q4(x, pos)[0])[0].argmax(-1)
+            agree += int((a == b).sum())
+            total += len(ids)
+    assert agree / total > 0.9
+
+
+def _run(target, proposer, prompts, block, max_new=24, batch_size=None):
+    states = []
+    reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=(2,)) for p in prompts]
+    list(generate_steps(target, proposer, reqs, block, states, batch_size=batch_size))
+    return [s.output_ids for s in states]
+
+
+def test_q4_1_speculation_is_lossless(q4, chat_ids, random_drafter):
+    """Greedy DFlash and prompt lookup give the quantized target's own greedy tokens, alone, in
+    a batch and through continuous batching."""
+    prompts = chat_ids[:6]
+    ar = [_run(q4, Proposer(), [p], 1)[0] for p in prompts]
+    assert len({tuple(a) for a in ar}) == len(ar)
+    assert _run(q4, DFlashProposer(random_drafter, q4), prompts, 16) == ar
+    assert _run(q4, LookupProposer(), prompts, 4) == ar
+    assert _run(q4, DFlashProposer(random_drafter, q4), prompts, 8, batch_size=2) == ar
+
+
+def test_engine_q4_1_runs_the_file_and_reports_it():
+    from blockdraft import Engine
+
+    engine = Engine.load(dtype="q4_1", use_draft=False)
+    assert engine.weights == "q4_1" and engine.target.dtype == torch.float32
+    assert not any(isinstance(m, torch.nn.Linear) for m in engine.target.modules())
+    out = engine.generate("Name a colour.", chat=True, method="lookup", max_new_tokens=12)
+    assert out.token_ids == engine.generate("Name a colour.", chat=True, method="ar", max_new_tokens=12).token_ids
+
+
+# ---- the exact-distribution test, on a tiny quantized model --------------------------------
+
+V, L = 6, 3
+PROMPT = [1, 4, 2, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory):
+    from blockdraft.draft import DFlashDrafter, DraftConfig
+
+    path = tmp_path_factory.mktemp("tinyq")
+    hf = save_tiny_hf("llama", path, vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(25)
+    hf.save_pretrained(str(path))
+    target = load_target(path)
+    summary = quant.quantize_target(target)  # fp32 weights quantized with the Q4_1 rule
+    assert summary["source"] == "fp32" and summary["linears"] == 12
+    torch.manual_seed(5)
+    cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=4, mask_token_id=5)
+    return target, DFlashDrafter(cfg).eval()
+
+
+def test_q4_1_sampling_follows_the_quantized_target(tiny_q4):
+    import itertools
+
+    from blockdraft.bench.stats import chi2_goodness_of_fit
+
+    target, drafter = tiny_q4
+    params = SamplingParams(1.0)
+    one = lambda x: torch.tensor([x])  # noqa: E731
+    dist = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(V), repeat=L):
+            ids = PROMPT + list(seq[:-1])
+            hidden, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None])
+            probs = target_probs(target.logits(hidden)[0, len(PROMPT) - 1:], one(1.0).expand(L), one(1.0).expand(L),
+                                 one(0).expand(L))
+            dist[seq] = math.prod(float(probs[i, t]) for i, t in enumerate(seq))
+    assert max(dist.values()) < 0.6
+    counts = {}
+    for start in range(0, 3000, 500):
+        reqs = [Request(PROMPT, max_new_tokens=L, sampling=SamplingParams(1.0, seed=start + i)) for i in range(500)]
+        states = []
+        list(generate_steps(target, DFlashProposer(drafter, target), reqs, 4, states))
+        for s in states:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+    stat, critical = chi2_goodness_of_fit(dist, counts, 3000)
+    assert stat < critical
