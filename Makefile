@@ -7,7 +7,13 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast prepare clean
+# llama.cpp for the benchmark's llamacpp peers, compiled from source (about 10 minutes on 2 cores).
+# Where the CPU reports AMX but the kernel does not enable it, quantized models crash llama.cpp
+# (SIGILL; `blockdraft bench` says so): pass the CPU's features without AMX, e.g.
+#   make peers LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+LLAMACPP_CMAKE_ARGS ?=
+
+.PHONY: install demo test test-fast prepare peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +40,9 @@ test: prepare
 
 test-fast: prepare
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+peers: install
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[peers]"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

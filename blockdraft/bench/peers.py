@@ -90,6 +90,31 @@ def default_gguf(engine) -> Path:
     return gguf_path() if engine.weights == "q4_1" else default_f32_gguf()
 
 
+AMX_HINT = ("llama.cpp died with an illegal instruction on {name}: it was compiled for AMX, which this CPU "
+            "reports but its kernel or hypervisor does not enable. Rebuild without AMX, e.g. "
+            "make peers LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+            "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
+
+
+def probe_llamacpp(path: Path) -> None:
+    """Generate one token from `path` in a child process: a llama.cpp build that crashes on
+    this machine (e.g. AMX kernels where AMX is not enabled, SIGILL) fails here with a clear
+    error instead of killing the benchmark."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys; from llama_cpp import Llama; "
+            "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
+            "next(m.generate([1, 2, 3], temp=0.0, top_k=1))")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    if proc.returncode == -signal.SIGILL:
+        raise BlockdraftError(AMX_HINT.format(name=path.name))
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BlockdraftError(f"llama.cpp cannot run {path.name}: {tail}")
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python, one model instance per number of lookup drafts."""
 
@@ -100,6 +125,7 @@ class LlamaCppRunner:
         self.path = Path(gguf) if gguf else default_gguf(engine)
         if not self.path.is_file():
             raise BlockdraftError(f"GGUF file not found: {self.path}")
+        probe_llamacpp(self.path)
         self.context = context
         self._models = {}
 

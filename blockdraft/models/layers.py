@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # (no conversions: each is an op call per layer per step)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,7 +55,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class Rotary(nn.Module):
-    """cos/sin tables indexed by absolute position: `forward(positions)` -> (cos, sin).
+    """cos/sin tables indexed by absolute position: `forward(positions)` -> (cos, sin), each
+    [B, 1, T, D] (broadcast over heads). The sin table carries the sign of the rotation (its
+    first half negated), so `apply_rotary` is x * cos + roll(x, D/2) * sin: four ops.
 
     The table runs a little past the context length: a verify block may extend
     beyond the last token that can be emitted, and those positions are discarded.
@@ -65,20 +69,17 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions + self.SLACK, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat([-freqs, freqs], dim=-1).sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [B, heads, T, D]; cos/sin: [B, 1, T, D] from `Rotary`. Same values as HF's
+    x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1])."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class SwiGLU(nn.Module):

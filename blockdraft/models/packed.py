@@ -58,6 +58,8 @@ class WeightPacks:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, through a packed weight when the row count allows."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if rows < self.min_rows:  # decode steps: the common case, decided first
+            return F.linear(x, weight, bias)
         if (not packing_available() or not self.min_rows <= rows <= self.sizes[-1]
                 or x.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):

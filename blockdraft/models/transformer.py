@@ -45,10 +45,12 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[3]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice):
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice,
+              index: torch.Tensor | None = None):
         """Store k/v [B, KV, T, D] of batch rows `rows` in cache slots [B, T]; return those
-        rows' first `used` slots."""
-        index = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        rows' first `used` slots. `index`: arange(B)[:, None], if the caller made it already."""
+        if index is None:
+            index = torch.arange(slots.shape[0], device=slots.device)[:, None]
         kc, vc = self.k[layer, rows], self.v[layer, rows]  # views: writes land in the cache
         kc.transpose(1, 2)[index, slots] = k.transpose(1, 2)
         vc.transpose(1, 2)[index, slots] = v.transpose(1, 2)
@@ -76,13 +78,15 @@ class Attention(nn.Module):
         keys/values to attend to (or, without a cache, returns them unchanged). `groups`:
         (row range, slots) pairs: each range of rows attends to its own first slots only."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(
-            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        qkv = self.qkv_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        k, v = write(k, v.transpose(1, 2))
+            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        else:  # q and k rotated in one go
+            q, k = apply_rotary(qkv[:, : self.heads + self.kv_heads], cos, sin).split(
+                [self.heads, self.kv_heads], dim=1)
+            v = qkv[:, self.heads + self.kv_heads:]
+        k, v = write(k, v)
         chunked = self.chunk and mask is not None and mask.dtype != torch.bool  # (an additive chunked mask)
 
         def run(q, k, v, mask):
@@ -240,8 +244,10 @@ class Transformer(nn.Module):
             if chunk:
                 mask = chunked_mask(mask[..., :used], self.config.num_attention_heads // self.config.num_key_value_heads)
 
+            index = torch.arange(slots.shape[0], device=slots.device)[:, None]  # once for every layer
+
             def writer(i):
-                return lambda k, v: cache.write(i, slots, k, v, used, rows)
+                return lambda k, v: cache.write(i, slots, k, v, used, rows, index)
         captured = {}
         last = max(capture) if features_only and capture else len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers[: last + 1]):
