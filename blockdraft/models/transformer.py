@@ -48,13 +48,19 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice,
               index: torch.Tensor | None = None):
         """Store k/v [B, KV, T, D] of batch rows `rows` in cache slots [B, T]; return those
-        rows' first `used` slots. `index`: arange(B)[:, None], if the caller made it already."""
+        rows' first `used` slots. `index`: `scatter_index(slots)`, if the caller made it already
+        (it is the same for every layer)."""
         if index is None:
-            index = torch.arange(slots.shape[0], device=slots.device)[:, None]
+            index = self.scatter_index(slots)
         kc, vc = self.k[layer, rows], self.v[layer, rows]  # views: writes land in the cache
-        kc.transpose(1, 2)[index, slots] = k.transpose(1, 2)
-        vc.transpose(1, 2)[index, slots] = v.transpose(1, 2)
+        kc.scatter_(2, index, k)
+        vc.scatter_(2, index, v)
         return kc[:, :, :used], vc[:, :, :used]
+
+    def scatter_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [B, T] -> the [B, KV, T, D] index `scatter_` takes along the slot dimension."""
+        b, t = slots.shape
+        return slots[:, None, :, None].expand(b, self.k.shape[2], t, self.k.shape[4])
 
 
 class Attention(nn.Module):
@@ -244,7 +250,7 @@ class Transformer(nn.Module):
             if chunk:
                 mask = chunked_mask(mask[..., :used], self.config.num_attention_heads // self.config.num_key_value_heads)
 
-            index = torch.arange(slots.shape[0], device=slots.device)[:, None]  # once for every layer
+            index = cache.scatter_index(slots)  # once for every layer
 
             def writer(i):
                 return lambda k, v: cache.write(i, slots, k, v, used, rows, index)
