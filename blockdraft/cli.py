@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
     out = engine.generate(args.prompt, method=args.method,
                           on_text=lambda _i, piece: print(piece, end="", flush=True), **kwargs)
     print()
-    print(f"[{out.method}] {out.num_output_tokens} tokens in {out.decode_seconds:.2f} s "
+    print(f"[{out.method}, {engine.weights}] {out.num_output_tokens} tokens in {out.decode_seconds:.2f} s "
           f"({out.tokens_per_second:.1f} tok/s), tau {out.tau:.2f}, finish: {out.finish_reason}",
           file=sys.stderr)
     return 0
@@ -196,7 +196,7 @@ def cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
                     block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)
-    print(f"serve: {name} with {args.method}"
+    print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
