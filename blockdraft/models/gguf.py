@@ -24,9 +24,6 @@ import numpy as np
 from ..errors import BlockdraftError
 from .default import DEFAULT_TARGET_NAME, cache_home, gguf_path
 
-GROUP = 32  # elements per block of Q4_0/Q4_1/Q8_0
-
-
 def _gguf():
     try:
         import gguf

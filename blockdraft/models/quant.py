@@ -40,6 +40,13 @@ QUANTIZED = ("q4_1",)
 ATTENTION_CHUNK = 64  # the quantized formats `Engine.load(dtype=...)` accepts
 
 
+def dequantize_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, K] integers, d (and m) [N, K/32] -> d * q (+ m) per group of 32, fp32 [N, K]."""
+    n = q.shape[0]
+    w = q.float().view(n, -1, GROUP) * d[..., None]
+    return (w if m is None else w + m[..., None]).view(q.shape)
+
+
 def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
@@ -64,8 +71,7 @@ class Int4Linear(nn.Module):
     def weight_in_use(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """The [N, K] weight the kernel multiplies by for Q4_1 values q, d, m (bf16 scale/zero)."""
         scale, zero = d.to(torch.bfloat16).float(), (m + 8 * d).to(torch.bfloat16).float()
-        n = q.shape[0]
-        return ((q.float().view(n, -1, GROUP) - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+        return dequantize_groups(q.float() - 8, scale, zero)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -111,8 +117,7 @@ class Q8Embedding(nn.Module):
         self.dtype = dtype
 
     def dequantized(self) -> torch.Tensor:
-        v, h = self.q.shape
-        return (self.q.float().view(v, h // GROUP, GROUP) * self.d[..., None]).view(v, h)
+        return dequantize_groups(self.q, self.d)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         q, d = self.q[tokens].float(), self.d[tokens]
@@ -161,10 +166,8 @@ def quantize_q4_1(w: torch.Tensor):
 def requantize_rows_int8(q: torch.Tensor, d: torch.Tensor):
     """Q8_0 (q int8 [N, K], d [N, K/32]) -> int8 [N, K] with one scale per row (the row's largest
     group scale), the nearest representation torch's int8 kernel takes."""
-    n, k = q.shape
-    w = q.float().view(n, k // GROUP, GROUP) * d[..., None]
     scale = d.amax(-1).clamp_min(1e-12)
-    q8 = (w / scale[:, None, None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    q8 = (dequantize_groups(q, d) / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     return q8, scale
 
 
@@ -189,15 +192,14 @@ def quantize_target(model, gguf_file=None) -> dict:
     cfg = model.config
     tensors = _gguf_tensors(gguf_file) if gguf_file else None
     swapped, worst = 0, 0.0
+    # our fused linear -> the GGUF tensors it concatenates (with the heads of rope-permuted rows)
+    parts = {("self_attn", "qkv_proj"): [("attn_q", cfg.num_attention_heads), ("attn_k", cfg.num_key_value_heads),
+                                         ("attn_v", None)],
+             ("self_attn", "o_proj"): [("attn_output", None)],
+             ("mlp", "gate_up_proj"): [("ffn_gate", None), ("ffn_up", None)], ("mlp", "down_proj"): [("ffn_down", None)]}
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = {"qkv": [("attn_q", cfg.num_attention_heads), ("attn_k", cfg.num_key_value_heads), ("attn_v", None)],
-                 "o": [("attn_output", None)], "gate_up": [("ffn_gate", None), ("ffn_up", None)],
-                 "down": [("ffn_down", None)]}
-        targets = {"qkv": (attn, "qkv_proj"), "o": (attn, "o_proj"), "gate_up": (mlp, "gate_up_proj"),
-                   "down": (mlp, "down_proj")}
-        for key, names in parts.items():
-            owner, attr = targets[key]
+        for (block, attr), names in parts.items():
+            owner = getattr(layer, block)
             linear = getattr(owner, attr)
             if tensors is None:
                 q, d, m = quantize_q4_1(linear.weight.detach())
@@ -215,7 +217,7 @@ def quantize_target(model, gguf_file=None) -> dict:
                     qs.append(q), ds.append(d), ms.append(m)
                 q, d, m = torch.cat(qs), torch.cat(ds), torch.cat(ms)
             quant = Int4Linear(q, d, m, None if linear.bias is None else linear.bias.detach())
-            exact = (q.float().view(q.shape[0], -1, GROUP) * d[..., None] + m[..., None]).view(q.shape)
+            exact = dequantize_groups(q, d, m)
             worst = max(worst, (Int4Linear.weight_in_use(q, d, m) - exact).abs().max().item())
             setattr(owner, attr, quant)
             swapped += 1
@@ -234,7 +236,7 @@ def quantize_target(model, gguf_file=None) -> dict:
         q8 = (w.view(w.shape[0], -1, GROUP) / d8.clamp_min(1e-12)[..., None]).round().clamp(-127, 127)
         q8 = q8.to(torch.int8).view(w.shape)
     head = Int8Linear(*requantize_rows_int8(q8, d8))
-    exact = (q8.float().view(q8.shape[0], -1, GROUP) * d8[..., None]).view(q8.shape)
+    exact = dequantize_groups(q8, d8)
     head_error = (head.dequantized() - exact).abs().max().item()
     model.lm_head = head
     # bf16-rounded activations turn last-bit differences between a token decoded alone and the
