@@ -28,6 +28,8 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, help="verified block length (default: the drafter's trained size)")
+    p.add_argument("--tree-budget", type=int, metavar="N",
+                   help="method dflash-tree: draft tokens (tree nodes) verified per step")
 
 
 def _load_engine(args, method_names: list[str]):
@@ -49,7 +51,19 @@ def _sampling_kwargs(args) -> dict:
                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, block_size=args.block_size)
 
 
+def _tree_budget(args):
+    """`--tree-budget N` means method dflash-tree with N nodes (a verified block of N + 1)."""
+    if args.tree_budget is None:
+        return
+    if args.tree_budget < 1:
+        raise BlockdraftError("--tree-budget must be at least 1")
+    if args.method not in ("dflash", "dflash-tree"):
+        raise BlockdraftError(f"--tree-budget applies to method dflash-tree, not {args.method}")
+    args.method, args.block_size = "dflash-tree", args.tree_budget + 1
+
+
 def cmd_generate(args) -> int:
+    _tree_budget(args)
     engine = _load_engine(args, [args.method])
     kwargs = _sampling_kwargs(args)
     if args.json:

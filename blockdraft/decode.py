@@ -13,10 +13,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from .costs import StepCosts
 from .errors import BlockdraftError
 from .models.transformer import Transformer
 from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
+from .tree import DraftTree
 
 
 @dataclass
@@ -129,18 +131,50 @@ class DecodeState:
         """Cache slots, attention mask [B, 1, T, S] and attention groups for verifying chains of
         tokens at `positions` [B, T]: a token's slot is its position, and it sees every slot up
         to its own (the committed context and the block's earlier tokens; stale slots past a
-        row's length are never seen). A tree verify would put siblings in other slots instead.
-        With `group_rows`, attention runs per range of that many rows, each over the slots its
-        longest row needs (None: one range)."""
-        b = positions.shape[0]
+        row's length are never seen). With `group_rows`, attention runs per range of that many
+        rows, each over the slots its longest row needs (None: one range)."""
         ends = positions[:, -1].tolist()  # the last position of each row (one host sync)
+        keys = torch.arange(max(ends) + 1, device=positions.device).expand(positions.shape[0], -1)
+        return positions, self.target.attention_mask(positions, keys), self._groups(ends, group_rows)
+
+    def tree_layout(self, tree: DraftTree, group_rows: int = 0):
+        """Positions, slots, mask and groups for verifying a tree: node i at position
+        committed + depth(i) in slot committed + i; it sees the committed context and its
+        own ancestors (siblings and cousins share positions but not slots)."""
+        committed = self.committed[: tree.tokens.shape[0]]
+        b, t = tree.tokens.shape
+        positions = committed[:, None] + tree.depths
+        slots = committed[:, None] + torch.arange(t, device=committed.device)
+        ends = slots[:, -1].tolist()
         used = max(ends) + 1
-        keys = torch.arange(used, device=positions.device).expand(b, -1)
-        groups = None
-        if group_rows and b > group_rows:
-            groups = [(slice(i, min(i + group_rows, b)), max(ends[i:i + group_rows]) + 1)
-                      for i in range(0, b, group_rows)]
-        return positions, self.target.attention_mask(positions, keys), groups
+        keys = torch.arange(used, device=committed.device)
+        mask = (keys < committed[:, None])[:, None, :].expand(b, t, used).clone()
+        mask.scatter_(2, slots[:, None, :].expand(b, t, t), tree.visible())
+        window = self.target.config.sliding_window
+        if window is not None:  # key positions: a slot's position, a node's depth-based one
+            key_pos = keys.expand(b, -1).clone().scatter_(1, slots, positions)
+            mask &= key_pos[:, None, :] > positions[:, :, None] - window
+        return positions, slots, mask[:, None], self._groups(ends, group_rows)
+
+    @staticmethod
+    def _groups(ends: list[int], group_rows: int):
+        b = len(ends)
+        if not group_rows or b <= group_rows:
+            return None
+        return [(slice(i, min(i + group_rows, b)), max(ends[i:i + group_rows]) + 1) for i in range(0, b, group_rows)]
+
+    def compact(self, rows: slice, path: torch.Tensor):
+        """Move the keys/values of each row's accepted tree path (node indices [B, P], root
+        first) to consecutive slots after its committed length, the layout a chain leaves."""
+        committed = self.committed[rows]
+        p = path.shape[1]
+        src = committed[:, None] + path
+        dst = committed[:, None] + torch.arange(p, device=path.device)
+        for buf in (self.cache.k, self.cache.v):
+            view = buf[:, rows]  # [L, B, KV, S, D], a view
+            layers, b, kv, _, d = view.shape
+            moved = view.gather(3, src[None, :, None, :, None].expand(layers, b, kv, p, d))
+            view.scatter_(3, dst[None, :, None, :, None].expand(layers, b, kv, p, d), moved)
 
     def permute(self, order: torch.Tensor):
         """Reorder the rows (row i becomes old row order[i]), caches included."""
@@ -192,6 +226,8 @@ class DecodeLoop:
         self.requests: list[Request | None] = [None] * slots
         self.states: list[SequenceState | None] = [None] * slots
         self.params = [SamplingParams(0.0)] * slots
+        self.costs = StepCosts()  # measured verify seconds per (batch, width)
+        proposer.costs = self.costs
 
     @property
     def free_slots(self) -> list[int]:
@@ -284,19 +320,42 @@ class DecodeLoop:
         n = block_size - 1
         device = self.target.device
         committed, pending = self.state.committed[rows], self.state.pending[rows]
+        group_rows = self.group_rows if self.sort_every else 0
+        live = [self.keys[b] is not None and not self.states[b].finished for b in range(rows.stop)]
         t0 = clock(device)
-        drafts = self.proposer.propose(pending, committed, n, rows=rows)
-        t1 = clock(device)
-        block = torch.cat([pending[:, None], drafts], dim=1)
-        positions = committed[:, None] + torch.arange(block_size, device=device)
-        slots, mask, groups = self.state.chain_layout(positions, self.group_rows if self.sort_every else 0)
+        tree = None
+        if self.proposer.drafts_trees:
+            tree = self.proposer.propose_tree(pending, committed, n, rows=rows)
+            block = tree.tokens
+            t1 = clock(device)
+            positions, slots, mask, groups = self.state.tree_layout(tree, group_rows)
+        else:
+            drafts = self.proposer.propose(pending, committed, n, rows=rows)
+            t1 = clock(device)
+            block = torch.cat([pending[:, None], drafts], dim=1)
+            positions = committed[:, None] + torch.arange(block.shape[1], device=device)
+            slots, mask, groups = self.state.chain_layout(positions, group_rows)
+        width = block.shape[1]  # the verified tokens: the pending one and the drafts
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
         target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
-        accepted = acceptance(drafts, target_ids)
+        if tree is None:
+            accepted, on_path = acceptance(drafts, target_ids), None
+            bonus = target_ids.gather(1, accepted[:, None])[:, 0]
+        else:  # the accepted path, moved into the layout a chain leaves
+            path, accepted, on_path = tree.accept(target_ids)
+            bonus = target_ids.gather(1, path.gather(1, accepted[:, None]))[:, 0]
+            self.state.compact(rows, path)
+            block, drafts = block.gather(1, path), block.gather(1, path)[:, 1:]
+            if features is not None:
+                features = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))
+            positions = committed[:, None] + torch.arange(path.shape[1], device=device)
         t2 = clock(device)
+        self.costs.record(len(occupied), width, t2 - t1)
+        self.proposer.verified(accepted, on_path, torch.tensor(live, device=device))
         self.proposer.observe(block, features, positions, rows=rows)
-        accepted_list, target_list, drafts_list = accepted.tolist(), target_ids.tolist(), drafts.tolist()
+        accepted_list, bonus_list, drafts_list = accepted.tolist(), bonus.tolist(), drafts.tolist()
+        drafted = width - 1
         new_ids, finished = {}, {}
         for b in occupied:
             state, req = self.states[b], self.requests[b]
@@ -304,13 +363,12 @@ class DecodeLoop:
                 continue
             a = accepted_list[b]
             state.acceptance_lengths.append(a + 1)
-            state.accepted_per_step.append((a, n))
-            new_ids[self.keys[b]] = _emit(req, state, drafts_list[b][:a] + [target_list[b][a]])
+            state.accepted_per_step.append((a, drafted))
+            new_ids[self.keys[b]] = _emit(req, state, drafts_list[b][:a] + [bonus_list[b]])
             finished[self.keys[b]] = state.finished
         # Finished and free rows stay frozen: recomputed at the same positions, harmlessly.
         active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
                                for b in range(rows.stop)], device=device)
-        bonus = target_ids.gather(1, accepted[:, None])[:, 0]
         self.state.commit(rows, accepted, bonus, active)
         t3 = time.perf_counter()
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,

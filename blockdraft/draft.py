@@ -261,15 +261,30 @@ class DrafterBase(nn.Module):
             self._head_rows = cached
         return cached[1]
 
-    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Greedy draft token ids (target ids) from final hidden states [..., H]."""
+    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V'] over the draft vocabulary (V' = the target's unless a draft
+        vocabulary is set) from final hidden states [..., H]."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
         weight = self.head_weight(lm_head_weight)
         packs = self.head_packs  # see models.packed
         logits = packs.linear(flat, weight) if packs is not None else torch.nn.functional.linear(flat, weight)
-        best = logits.argmax(-1).view(hidden.shape[:-1])
+        return logits.view(*hidden.shape[:-1], -1)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids."""
         vocab = getattr(self, "draft_vocab", None)
-        return best if vocab is None else vocab[best]
+        return ids if vocab is None else vocab[ids]
+
+    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token ids (target ids) from final hidden states [..., H]."""
+        return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
+
+    def draft_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int):
+        """The k most probable draft tokens (target ids) at each position and their
+        probabilities, most probable first: ([..., k], [..., k])."""
+        probs = torch.softmax(self.draft_logits(hidden, lm_head_weight).float(), dim=-1)
+        top = probs.topk(k, dim=-1)
+        return self.to_target_ids(top.indices), top.values
 
     def register_draft_vocab(self, size: int | None):
         if size:

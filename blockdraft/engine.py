@@ -216,7 +216,9 @@ class Engine:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        proposer = proposer or self.proposer(method)
+        if proposer is None:
+            proposer = self.proposer(method)
+            block_size = block_size or methods.parse(method)[1]  # 'dflash@8', 'dflash-tree@32'
         if block_size is None:
             block_size = proposer.default_block_size or proposer.max_block_size or 1
         rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,

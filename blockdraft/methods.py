@@ -7,7 +7,9 @@ only in the benchmark. Adding a proposer is one new file plus one `register(...)
 
     register(Method("my-drafter", "what it does", build=lambda engine: MyProposer(...)))
 
-Method strings in the CLI and the API may carry a block size: `dflash@8`, `lookup@4`.
+Method strings in the CLI and the API may carry a block size: `dflash@8`, `lookup@4` (the
+verified block: the last committed token and B - 1 drafts). For tree methods the number counts
+draft tokens instead: `dflash-tree@32` verifies 32 tree nodes (a block of 33).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Method:
     default_block: int | None = None  # verified block when none is given (None: the proposer's default)
     peer: bool = False  # runs outside blockdraft's decode loop (benchmark only)
     speculative: bool = True  # drafts tokens (a block size applies)
+    counts_drafts: bool = False  # '@N' gives the draft tokens verified per step (block = N + 1)
 
 
 METHODS: dict[str, Method] = {}
@@ -55,6 +58,22 @@ def _dflash(engine):
     return DFlashProposer(engine.drafter_for("dflash"), engine.target)
 
 
+def _dflash_cut(engine):
+    from .proposers import DFlashProposer
+
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, cut=True)
+
+
+def _dflash_tree(engine):
+    from .proposers import DFlashProposer
+
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES)
+
+
+TREE_TOP_K = 4  # candidates per block position a tree may branch into
+TREE_NODES = 16  # draft tokens a tree verifies per step when no @N is given
+
+
 def _eagle3(engine):
     from .proposers import EagleProposer
 
@@ -62,6 +81,11 @@ def _eagle3(engine):
 
 
 register(Method("dflash", "the DFlash drafter: a whole block in one forward pass", _dflash, drafter="dflash"))
+register(Method("dflash-cut", "DFlash chain cut where verifying more stops paying (measured step costs)",
+                _dflash_cut, drafter="dflash"))
+register(Method("dflash-tree", f"a tree of DFlash's top-{TREE_TOP_K} tokens per position, @N nodes "
+                f"verified in one pass (default {TREE_NODES})", _dflash_tree, drafter="dflash",
+                default_block=TREE_NODES + 1, counts_drafts=True))
 register(Method("ar", "plain autoregressive decoding (no speculation)", _ar, speculative=False))
 register(Method("lookup", "prompt lookup: n-gram drafts copied from the context", _lookup, default_block=4))
 register(Method("eagle3", "the EAGLE-3-style baseline drafter: a chain, one token per pass", _eagle3,
@@ -89,11 +113,15 @@ def parse(text: str, include_peers: bool = False) -> tuple[Method, int | None]:
         return method, None
     if not method.speculative:
         raise BlockdraftError(f"{text!r}: {base} drafts nothing, so it takes no block size")
+    if method.counts_drafts:
+        if not block.isdigit() or int(block) < 1:
+            raise BlockdraftError(f"{text!r}: the number of draft tokens after @ must be an integer >= 1")
+        return method, int(block) + 1
     if not block.isdigit() or int(block) < 2:
         raise BlockdraftError(f"{text!r}: the block size after @ must be an integer >= 2")
     return method, int(block)
 
 
 def help_text(include_peers: bool = False) -> str:
-    return "; ".join(f"{m.name}{'[@B]' if m.speculative else ''}: {m.summary}"
+    return "; ".join(f"{m.name}{('[@N]' if m.counts_drafts else '[@B]') if m.speculative else ''}: {m.summary}"
                      for m in METHODS.values() if include_peers or not m.peer)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .errors import BlockdraftError
+from .costs import StepCosts, best_width
 from .draft import DFlashDrafter
 from .models.transformer import Transformer
+from .tree import Calibration, DraftTree, build_tree
 
 
 class Proposer:
@@ -22,6 +25,8 @@ class Proposer:
     max_block_size: int | None = None  # largest block the drafter supports (None: any)
     can_permute = True  # `permute` is implemented (rows may be reordered between steps)
     default_block_size: int | None = None  # block used when none is asked for (None: the largest)
+    drafts_trees = False  # `propose_tree` instead of `propose` (see `blockdraft.tree`)
+    costs: StepCosts | None = None  # the decode loop's measured step costs (set by the loop)
 
     def reset(self, batch: int, max_len: int) -> None:
         """Start a new batch of `batch` sequences of at most `max_len` positions."""
@@ -38,22 +43,61 @@ class Proposer:
         last committed token and its position p ([B] each)."""
         return last_tokens.new_zeros(last_tokens.shape[0], 0)
 
+    def propose_tree(self, last_tokens: torch.Tensor, positions: torch.Tensor, nodes: int,
+                     rows: slice = slice(None)) -> DraftTree:
+        """A tree of at most `nodes` draft tokens per row below each row's last committed token
+        (proposers with `drafts_trees`)."""
+        raise NotImplementedError
+
+    def verified(self, accepted: torch.Tensor, on_path: torch.Tensor | None, live: torch.Tensor) -> None:
+        """After the verify of the last proposal: `accepted` [B] drafts per row, `on_path` [B, T]
+        the accepted tree nodes (None for a chain), `live` [B] the rows that were decoding."""
+
+    def expected_tokens(self, block: int) -> float | None:
+        """Tokens per row a step verifying `block` tokens is expected to emit, if this proposer
+        estimates it from its draft probabilities (else None: the caller measures)."""
+        return None
+
     def permute(self, order: torch.Tensor) -> None:
         """Reorder the batch rows: row i becomes old row order[i] (no state here)."""
 
 
 class DFlashProposer(Proposer):
-    """Drafts a whole block in one drafter forward from the target's context features."""
+    """Drafts a whole block in one drafter forward from the target's context features.
+
+    Three ways to use that block (methods `dflash`, `dflash-cut`, `dflash-tree`):
+    - the chain of each position's most probable token (default);
+    - `cut=True`: the same chain, cut where verifying more tokens stops paying: the length
+      with the most expected tokens per second given the (calibrated) draft probabilities
+      and the loop's measured step costs (`costs.best_width`);
+    - `top_k > 1`: a tree of the `top_k` best tokens per position, grown best first up to the
+      step's node budget (`tree.build_tree`), verified in one target forward."""
 
     name = "dflash"
     can_permute = False
+    MAX_TREE_NODES = 64
 
-    def __init__(self, drafter: DFlashDrafter, target: Transformer):
+    def __init__(self, drafter: DFlashDrafter, target: Transformer, *, cut: bool = False, top_k: int = 1,
+                 tree_nodes: int = 16):
         drafter.check_target(target.config)
         self.drafter, self.target = drafter, target
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.max_block_size = drafter.config.block_size
         self.mask_token_id = drafter.config.mask_token_id
+        self.cut, self.top_k = cut, top_k
+        if top_k > 1:
+            if target.attention_chunk:
+                raise BlockdraftError(
+                    "tree verification needs float32 target weights: with quantized weights a token "
+                    "verified in a tree is not bit-identical to the same token decoded alone")
+            self.name, self.drafts_trees = "dflash-tree", True
+            self.max_block_size = self.MAX_TREE_NODES + 1  # a block counts the root and the nodes
+            self.default_block_size = tree_nodes + 1
+        elif cut:
+            self.name = "dflash-cut"
+        self.calibration = Calibration(drafter.config.block_size - 1, target.device)
+        self.last: DraftTree | None = None  # the last proposal, for calibration
+        self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last full draft
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor, slice]] = []
 
@@ -61,22 +105,64 @@ class DFlashProposer(Proposer):
         if self.cache is None or self.cache.batch != batch or self.cache.max_len < max_len:
             self.cache = self.drafter.new_cache(batch, max_len)
         self._pending = []
+        self.last = None
 
     def observe(self, tokens, features, positions, rows=slice(None)):
         self._pending.append((features, positions, rows))  # projected lazily, in propose
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
+    def _block_hidden(self, last_tokens, positions, n, rows):
+        """The drafter's final hidden states [B, n, H] for positions p+1..p+n."""
         for features, ctx_positions, ctx_rows in self._pending:
             self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows)
         self._pending = []
-        if n == 0:  # speculation switched off for this step: the context is still kept
-            return last_tokens.new_zeros(last_tokens.shape[0], 0)
+        if n == 0:
+            return None
         offsets = torch.arange(n + 1, device=positions.device)
         block_positions = positions[:, None] + offsets
         block = torch.full_like(block_positions, self.mask_token_id)
         block[:, 0] = last_tokens
         hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache, rows=rows)
-        return self.drafter.draft_tokens(hidden[:, 1:], self.target.lm_head.weight)
+        return hidden[:, 1:]
+
+    def propose(self, last_tokens, positions, n, rows=slice(None)):
+        hidden = self._block_hidden(last_tokens, positions, n, rows)
+        if hidden is None:  # speculation switched off for this step: the context is still kept
+            return last_tokens.new_zeros(last_tokens.shape[0], 0)
+        if not self.cut:
+            return self.drafter.draft_tokens(hidden, self.target.lm_head.weight)
+        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, 1)
+        tokens, probs = tokens[..., 0], probs[..., 0]
+        scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
+        self.mean_scores = scores.mean(0)
+        keep = best_width(scores, self.costs or StepCosts(), tokens.shape[0])
+        self.last = DraftTree.chain(last_tokens, tokens[:, :keep], probs[:, :keep])
+        return tokens[:, :keep]
+
+    def propose_tree(self, last_tokens, positions, nodes, rows=slice(None)):
+        depth = min(nodes, self.drafter.config.block_size - 1)
+        hidden = self._block_hidden(last_tokens, positions, depth, rows)
+        if hidden is None:
+            self.last = DraftTree.chain(last_tokens, last_tokens.new_zeros(last_tokens.shape[0], 0))
+            return self.last
+        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, self.top_k)
+        tree = build_tree(last_tokens, tokens, probs, nodes, self.calibration.apply(probs))
+        self.mean_scores = tree.scores[:, 1:].mean(0)
+        self.last = tree
+        return tree
+
+    def verified(self, accepted, on_path, live):
+        if self.last is None:
+            return
+        if on_path is None:  # a chain: the first `accepted` drafts and the root
+            on_path = torch.arange(self.last.size, device=accepted.device) <= accepted[:, None]
+        if on_path.shape == self.last.tokens.shape:
+            self.calibration.update(self.last, on_path, live)
+        self.last = None
+
+    def expected_tokens(self, block):
+        if self.mean_scores is None or not (self.cut or self.drafts_trees):
+            return None
+        return 1.0 + float(self.mean_scores[: block - 1].sum())
 
 
 class LookupProposer(Proposer):

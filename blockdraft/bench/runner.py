@@ -66,7 +66,7 @@ def parse_method(name: str, engine) -> Method:
     spec, block = registry.parse(name, include_peers=True)
     if spec.drafter is not None:
         trained = engine.drafter_for(spec.drafter).config.block_size
-        size = block or trained
+        size = block or spec.default_block or trained
     else:
         size = block or spec.default_block or 1
     return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)

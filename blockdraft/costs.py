@@ -1,0 +1,66 @@
+"""What a verify step costs, measured while decoding, and how many draft tokens pay for it.
+
+A target forward over w tokens costs c(w) decode steps: on a CPU the weights stream once
+whatever w is, so c grows slowly (about 1.1 at w = 2, 1.6-1.9 at w = 8-16 on the 2-core
+CPU, `python scripts/cpu_peers.py`), then the arithmetic takes over. `StepCosts` keeps the
+measured seconds per (batch size, width); an unmeasured width is estimated from a prior
+curve scaled to the measured ones. `best_width` picks how many of a step's draft tokens to
+verify: the prefix of best-first draft nodes (a chain's tokens, a tree's nodes) with the
+most expected tokens per second. The serve policy (`serve.scheduler.SpeculationPolicy`),
+the confidence-cut chain and the cost-sized tree all use this one table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def prior_cost(width: int) -> float:
+    """Cost of verifying `width` tokens in decode steps before any measurement: 1 at width 1,
+    +0.25 per doubling (close to the 2-core CPU's fp32 figures up to 16 tokens)."""
+    return 1.0 + 0.25 * math.log2(max(width, 1))
+
+
+class StepCosts:
+    """Seconds of a verify step per (batch size, verified width): an exponential moving
+    average of what was measured, else the prior curve scaled to this batch size's (or the
+    nearest batch size's) measurements."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def record(self, batch: int, width: int, seconds: float):
+        key = (batch, width)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def measured(self, batch: int, width: int) -> float | None:
+        return self.seconds.get((batch, width))
+
+    def estimate(self, batch: int, width: int) -> float:
+        """Seconds (or, before any measurement at all, decode steps) of a (batch, width) step."""
+        if (batch, width) in self.seconds:
+            return self.seconds[(batch, width)]
+        batches = {b for b, _ in self.seconds}
+        if not batches:
+            return prior_cost(width)
+        near = min(batches, key=lambda b: (abs(b - batch), b))
+        ratios = [s / prior_cost(w) for (b, w), s in self.seconds.items() if b == near]
+        return sorted(ratios)[len(ratios) // 2] * prior_cost(width)  # (comparable within one batch size)
+
+
+def best_width(scores: torch.Tensor, costs: StepCosts, batch: int, widths=None) -> int:
+    """How many draft nodes to verify: scores [B, N] are the nodes' estimated acceptance
+    probabilities in best-first order (non-increasing per row, every prefix a valid draft).
+    Verifying the first n nodes yields sum_rows(1 + sum_{i<n} scores) tokens in expectation
+    (the bonus token plus each node's chance to be on the accepted path) and costs
+    costs.estimate(batch, n + 1); returns the n (0..N) with the most tokens per second,
+    among `widths` - 1 if given."""
+    n_max = scores.shape[1]
+    gains = torch.cat([scores.new_zeros(1), scores.double().sum(0).cumsum(0)]) + scores.shape[0]
+    candidates = range(n_max + 1) if widths is None else sorted({w - 1 for w in widths if 1 <= w <= n_max + 1})
+    gains = gains.tolist()
+    return max(candidates, key=lambda n: (gains[n] / costs.estimate(batch, n + 1), -n))
