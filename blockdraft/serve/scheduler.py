@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..costs import StepCosts
 from ..decode import DecodeLoop, SequenceState
 from ..engine import Engine
 from ..errors import BlockdraftError
@@ -63,20 +64,32 @@ class SpeculationPolicy:
     sizes' costs are then estimated from their cost relative to no speculation at the
     nearest batch size where both were measured, and a block is only run (and so
     measured) there when its estimate makes it the best. A small fraction of steps
-    re-measures a neighbour of the best.
+    re-measures a neighbour of the best. A proposer that estimates its own expected tokens
+    from its draft probabilities (trees, cut chains: `Proposer.expected_tokens`) is asked
+    instead of the per-position rates; for a tree the block size is its node budget plus one.
     """
 
-    def __init__(self, max_block: int, adaptive: bool = True, explore: float = 0.05, seed: int = 0):
+    def __init__(self, max_block: int, adaptive: bool = True, explore: float = 0.05, seed: int = 0,
+                 estimate: Callable[[int], float | None] | None = None):
         self.max_block = max_block
         self.adaptive = adaptive and max_block > 1
-        self.choices = sorted({1, *[b for b in (2, 4, 8, 16) if b < max_block], max_block}) if max_block > 1 else [1]
+        self.choices = (sorted({1, *[b for b in (2, 4, 8, 16, 32, 64) if b < max_block], max_block})
+                        if max_block > 1 else [1])
         self.explore = explore
         self.rng = random.Random(seed)
-        self.cost: dict[tuple[int, int], float] = {}  # EMA of step seconds
+        self.costs = StepCosts()  # EMA of whole-step seconds (drafting included) per (batch, block)
+        self.estimate = estimate
         self.reached = [0] * max_block  # per draft position k (1-based index k-1): drafted there
         self.accepted = [0] * max_block  # ... and accepted
 
+    @property
+    def cost(self) -> dict[tuple[int, int], float]:
+        return self.costs.seconds
+
     def expected_tokens(self, block: int) -> float:
+        estimated = self.estimate(block) if self.estimate is not None and block > 1 else None
+        if estimated is not None:
+            return estimated
         total, alive = 1.0, 1.0
         for k in range(1, block):
             p = (self.accepted[k - 1] + 1) / (self.reached[k - 1] + 2)
@@ -113,8 +126,7 @@ class SpeculationPolicy:
         return base * self.cost[(near, block)] / self.cost[(near, 1)]
 
     def record(self, batch: int, block: int, seconds: float, outcomes: list[tuple[int, int]]):
-        key = (batch, block)
-        self.cost[key] = seconds if key not in self.cost else 0.8 * self.cost[key] + 0.2 * seconds
+        self.costs.record(batch, block, seconds)
         for accepted, drafted in outcomes:
             for k in range(1, min(drafted, accepted + 1) + 1):
                 self.reached[k - 1] += 1
@@ -134,7 +146,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.loop = DecodeLoop(engine.target, self.proposer, max(block, 2) if trained > 1 else 1,
                                max_batch, max_model_len + max(block, 1))
-        self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive)
+        self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
+                                        estimate=self.proposer.expected_tokens)
         self.max_queue = max_queue
         self.metrics = metrics
         self.waiting: collections.deque[Handle] = collections.deque()

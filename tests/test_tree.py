@@ -1,0 +1,336 @@
+"""Tree verification and confidence-cut chains are lossless.
+
+Oracles: our own greedy decoding and HF transformers' `generate` (greedy), exact output
+distributions at T > 0 (chi-square), and a plain walk down the tree for acceptance.
+"""
+
+import random
+
+import pytest
+import torch
+
+import blockdraft.tree as tree_mod
+from blockdraft import methods
+from blockdraft.costs import StepCosts, best_width, prior_cost
+from blockdraft.decode import DecodeState, Request, generate_steps
+from blockdraft.errors import BlockdraftError
+from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.sampling import SamplingParams
+from blockdraft.tree import DraftTree, build_tree
+
+from .test_decode import assert_same_or_tie
+from .test_sampling import CASES, L, PROMPT, chi_square, exact_distribution, tiny  # noqa: F401
+
+N_NEW = 24
+VOCAB = 49152
+
+
+def walk(tree: DraftTree, row: int, target_tokens) -> list[int]:
+    """The accepted path by hand: from the root, step into the child holding the target's token."""
+    parents, tokens = tree.parents[row].tolist(), tree.tokens[row].tolist()
+    path = [0]
+    while True:
+        want = target_tokens[row][path[-1]]
+        children = [i for i, p in enumerate(parents) if p == path[-1] and tokens[i] == want]
+        assert len(children) <= 1
+        if not children:
+            return path
+        path.append(children[0])
+
+
+def test_trees_grow_best_first_and_accept_what_a_walk_accepts():
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for trial in range(40):
+        b, n, k, nodes = rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 40)
+        probs = torch.rand(b, n, k, generator=gen).sort(-1, descending=True).values
+        if trial % 5 == 0:
+            probs[:] = 0.25  # ties everywhere
+        tokens = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(b * n)]).view(b, n, k)
+        tree = build_tree(torch.arange(b) + 100, tokens, probs, nodes)
+        possible = n if k == 1 else sum(k ** d for d in range(1, n + 1))
+        assert tree.size == 1 + min(nodes, possible)
+        for row in range(b):
+            par, dep, tok, score = (x[row].tolist() for x in (tree.parents, tree.depths, tree.tokens, tree.scores))
+            assert par[0] == -1 and dep[0] == 0 and tok[0] == 100 + row
+            for i in range(1, tree.size):
+                assert par[i] < i and dep[i] == dep[par[i]] + 1
+                assert tok[i] in tokens[row, dep[i] - 1].tolist()
+                expect = score[par[i]] * float(probs[row, dep[i] - 1, tokens[row, dep[i] - 1].tolist().index(tok[i])])
+                assert abs(score[i] - expect) < 1e-6
+                assert score[i] <= score[i - 1] + 1e-9  # best first: never increasing
+            siblings = {}
+            for i in range(1, tree.size):
+                assert (par[i], tok[i]) not in siblings  # children of a node hold distinct tokens
+                siblings[(par[i], tok[i])] = i
+        vis = tree.visible()
+        for row in range(b):
+            for i in range(tree.size):
+                anc, j = {i}, i
+                while tree.parents[row, j] >= 0:
+                    j = int(tree.parents[row, j])
+                    anc.add(j)
+                assert {j for j in range(tree.size) if vis[row, i, j]} == anc
+        for _ in range(5):  # target tokens that often follow some branch
+            target = torch.where(torch.rand(b, tree.size, generator=gen) < 0.7,
+                                 tokens[:, :, 0].repeat(1, tree.size)[:, : tree.size].clone(),
+                                 torch.randint(0, 8, (b, tree.size), generator=gen))
+            target = target.scatter(1, torch.zeros(b, 1, dtype=torch.long), tokens[:, 0, rng.randrange(k), None])
+            path, accepted, on_path = tree.accept(target)
+            for row in range(b):
+                want = walk(tree, row, target.tolist())
+                assert accepted[row] == len(want) - 1
+                assert path[row, : len(want)].tolist() == want
+                assert set(torch.nonzero(on_path[row]).flatten().tolist()) == set(want)
+
+
+def test_a_chain_is_a_tree_and_calibration_counts_acceptance():
+    chain = DraftTree.chain(torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                            torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
+    path, accepted, on_path = chain.accept(torch.tensor([[1, 2, 0, 0], [0, 0, 0, 0]]))
+    assert accepted.tolist() == [2, 0] and path[0].tolist() == [0, 1, 2]
+    cal = tree_mod.Calibration(3)
+    cal.update(chain, on_path, torch.tensor([True, True]))
+    # position 1: both rows reached it (0.5 + 0.9 predicted, 1 accepted); 2: row 0 only; 3: row 0
+    assert cal.accepted.tolist() == [1, 1, 0] and torch.allclose(cal.predicted, torch.tensor([1.4, 0.5, 0.5],
+                                                                                          dtype=torch.float64))
+
+
+def test_best_width_trades_expected_tokens_against_measured_cost():
+    scores = torch.tensor([[0.9, 0.8, 0.5, 0.1, 0.05, 0.01, 0.0]])
+    flat = StepCosts()
+    for w in range(1, 9):
+        flat.record(1, w, 0.03)  # verifying is free: take everything
+    assert best_width(scores, flat, 1) == 6  # all but the node with no chance at all
+    steep = StepCosts()
+    for w in range(1, 9):
+        steep.record(1, w, 0.03 * w)  # every token costs a full step: speculation never pays
+    assert best_width(scores, steep, 1) == 0
+    prior = StepCosts()  # nothing measured: the prior curve, then scaled by a measurement
+    expected = max(range(8), key=lambda n: (1 + float(scores[0, :n].sum())) / prior_cost(n + 1))
+    assert best_width(scores, prior, 1) == expected
+    prior.record(4, 16, 2.0)
+    assert abs(prior.estimate(4, 2) / prior.estimate(4, 1) - prior_cost(2)) < 1e-9
+    assert best_width(scores, prior, 4, widths=(1, 4)) in (0, 3)
+
+
+def test_tree_methods_parse_and_refuse_what_they_cannot_do(smol):
+    spec, block = methods.parse("dflash-tree@32")
+    assert spec.name == "dflash-tree" and block == 33
+    assert methods.parse("dflash-cut")[1] is None and methods.parse("dflash@8")[1] == 8
+    with pytest.raises(BlockdraftError):
+        methods.parse("dflash-tree@0")
+
+    class Chunked:  # a target whose attention is the quantized path's
+        attention_chunk = 64
+        config = smol.config
+        device = smol.device
+
+    from blockdraft.draft import DFlashDrafter, DraftConfig
+
+    drafter = DFlashDrafter(DraftConfig.for_target(smol.config, num_layers=1, block_size=4, mask_token_id=0))
+    with pytest.raises(BlockdraftError, match="float32"):
+        DFlashProposer(drafter, Chunked(), top_k=2)
+    DFlashProposer(drafter, Chunked(), cut=True)  # a cut chain keeps the chain's layout: allowed
+
+
+class RiggedTree(DFlashProposer):
+    """Runs the real drafter (the context-feature path is exercised), then replaces its candidates:
+    the true continuation at rank `rank` of k (None: absent), with probabilities `probs`."""
+
+    def __init__(self, drafter, target, truths, prompt_lens, rank, probs=(0.9, 0.06, 0.04)):
+        super().__init__(drafter, target, top_k=len(probs))
+        self.truths, self.prompt_lens, self.rank, self.probs = truths, prompt_lens, rank, probs
+        self.trees = []
+
+    def propose_tree(self, last_tokens, positions, nodes, rows=slice(None)):
+        depth = min(nodes, self.drafter.config.block_size - 1)
+        self._block_hidden(last_tokens, positions, depth, rows)
+        b, k = last_tokens.shape[0], len(self.probs)
+        cands = torch.zeros(b, depth, k, dtype=torch.long)
+        for row in range(b):
+            for d in range(depth):
+                i = int(positions[row]) + 1 + d - self.prompt_lens[row]
+                truth = self.truths[row][i] if i < len(self.truths[row]) else 0
+                wrong = [(truth + 1 + j) % VOCAB for j in range(k)]
+                if self.rank is not None:
+                    wrong.insert(self.rank, truth)
+                cands[row, d] = torch.tensor(wrong[:k])
+        probs = torch.tensor(self.probs).expand(b, depth, k)
+        tree = build_tree(last_tokens, cands, probs, nodes)
+        self.trees.append(tree)
+        return tree
+
+
+def run(target, proposer, prompts, block, max_new=N_NEW, stop=(2,)):
+    states = []
+    reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=stop) for p in prompts]
+    for _ in generate_steps(target, proposer, reqs, block, states):
+        pass
+    return states
+
+
+@pytest.fixture(scope="module")
+def greedy4(smol, chat_ids):
+    """Four prompts of very different lengths and our own greedy answers to them."""
+    prompts = [chat_ids[i] for i in (4, 9, 0, 5)]
+    return prompts, [s.output_ids for s in run(smol, Proposer(), prompts, 1)]
+
+
+@pytest.mark.parametrize("rank,probs,nodes", [
+    (0, (0.9, 0.06, 0.04), 16),  # perfect: the whole depth is accepted each step
+    (None, (0.9, 0.06, 0.04), 16),  # always wrong
+    (1, (0.6, 0.3, 0.1), 24),  # the right token always second
+    (2, (1 / 3, 1 / 3, 1 / 3), 12),  # ties inside the top-k, the right one third
+], ids=["perfect", "wrong", "second", "ties"])
+def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, random_drafter, greedy4, rank, probs, nodes):
+    prompts, truths = greedy4
+    proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], rank, probs)
+    states = run(smol, proposer, prompts, nodes + 1)
+    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+        assert out.output_ids == truth, f"row {k}"
+        with torch.no_grad():
+            ref = hf_smol.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=2,
+                                   pad_token_id=2)[0, len(p):].tolist()
+        assert_same_or_tie(hf_smol, p, out.output_ids, ref, f"tree {rank} row {k}")
+        steps = out.acceptance_lengths[:-1]  # the last step is cut by the answer's end
+        if rank is None:
+            assert set(out.acceptance_lengths) == {1}
+        elif rank == 0:
+            assert all(a == min(nodes, 15) + 1 for a in steps), steps
+        elif rank == 2:  # 12 nodes of equal-probability ties: the first two levels, all of them
+            assert all(a == 3 for a in steps), steps
+        else:  # second-best twice (0.3 * 0.3) is among the 24 most probable paths
+            assert all(a >= 3 for a in steps), steps
+
+
+def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol, hf_smol, random_drafter,
+                                                                          greedy4):
+    prompts, truths = greedy4
+    proposer = DFlashProposer(random_drafter, smol, top_k=4)
+    states = run(smol, proposer, prompts, 33)
+    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+        assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"random tree row {k}")
+    # accepted paths that leave the first branch (the right token always second)
+    proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], 1, (0.6, 0.3, 0.1))
+    states = run(smol, proposer, prompts, 25)
+    assert [s.output_ids for s in states] == truths
+    # the drafter's context cache holds the features of exactly the committed tokens: recompute
+    # them from one uncached forward over prompt + answer and compare (after writing the last
+    # step's features, which the next proposal would have written)
+    with torch.inference_mode():
+        proposer.propose(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), 0)
+    for row, (p, out) in enumerate(zip(prompts, states)):
+        seq = torch.tensor([p + out.output_ids[:-1]])  # the last emitted token is never verified
+        with torch.inference_mode():
+            _, feats = smol(seq, torch.arange(seq.shape[1])[None], capture=proposer.capture_layers)
+            fresh = random_drafter.new_cache(1, seq.shape[1] + 1)
+            random_drafter.write_context(fresh, feats, torch.arange(seq.shape[1])[None])
+        n = seq.shape[1]
+        for name in ("k", "v"):
+            got = getattr(proposer.cache, name)[:, row: row + 1, ..., :n, :]
+            want = getattr(fresh, name)[..., :n, :]
+            assert torch.allclose(got, want, atol=2e-4), (row, name, float((got - want).abs().max()))
+
+
+def test_stop_token_inside_an_accepted_tree_path(smol, random_drafter, greedy4):
+    prompts, truths = greedy4
+    p, truth = prompts[2], truths[2]
+    stop = truth[7]
+    proposer = RiggedTree(random_drafter, smol, [truth], [len(p)], 0)
+    out = run(smol, proposer, [p], 17, stop=(stop,))[0]
+    assert out.output_ids == truth[: truth.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_after_compaction_no_stale_slot_is_attended(smol, random_drafter, greedy4, monkeypatch):
+    """Every cache slot past a row's committed length is filled with huge values after each
+    step: the tree nodes that were not accepted and everything beyond. Attending to any of them
+    would change the answer."""
+    prompts, truths = greedy4
+    commit = DecodeState.commit
+
+    def poisoned_commit(self, rows, accepted, bonus, active):
+        commit(self, rows, accepted, bonus, active)
+        committed = self.committed[rows]
+        slots = torch.arange(self.cache.slots)
+        stale = (slots[None, :] >= committed[:, None])[None, :, None, :, None]  # [1, B, 1, S, 1]
+        for buf in (self.cache.k, self.cache.v):
+            view = buf[:, rows]
+            view.copy_(torch.where(stale, torch.full_like(view, 1e4), view))
+
+    monkeypatch.setattr(DecodeState, "commit", poisoned_commit)
+    proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], 1, (0.6, 0.3, 0.1))
+    states = run(smol, proposer, prompts, 25)
+    assert [s.output_ids for s in states] == truths
+    assert max(max(s.acceptance_lengths) for s in states) >= 3  # paths off the first branch were moved
+
+
+def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4):
+    prompts, truths = greedy4
+    proposer = DFlashProposer(random_drafter, smol, cut=True)
+    states = run(smol, proposer, prompts, 16)
+    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+        assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
+    # a random drafter's confidence is low: the cut verifies short chains
+    assert max(n for s in states for _, n in s.accepted_per_step) < 15
+
+
+def tree_counts(target, proposer, params, nodes, n=3000, batch=500):
+    counts = {}
+    for start in range(0, n, batch):
+        reqs = [Request(PROMPT, max_new_tokens=L, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
+        states = []
+        for _ in generate_steps(target, proposer, reqs, nodes + 1, states):
+            pass
+        for s in states:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("params", CASES[:2], ids=["T1", "T0.7-topk3"])
+def test_tree_samples_follow_the_target_distribution(tiny, params):  # noqa: F811
+    hf, target, drafter = tiny
+    dist = exact_distribution(hf, params)
+    proposer = DFlashProposer(drafter, target, top_k=3)
+    stat, critical = chi_square(dist, tree_counts(target, proposer, params, 6))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
+def test_the_test_rejects_descending_into_the_most_probable_child(tiny, monkeypatch):  # noqa: F811
+    """A wrong rule: when the target's sample is among a node's children, descend into the
+    child the drafter found most probable (and emit its token) instead of the sampled one."""
+    hf, target, drafter = tiny
+    params = CASES[0]
+    dist = exact_distribution(hf, params)
+    right = DraftTree.accept
+
+    def most_probable_child(self, target_tokens):
+        t = self.tokens.clone()
+        b, n = t.shape
+        rigged = target_tokens.clone()
+        for row in range(b):
+            for i in range(n):
+                kids = [j for j in range(n) if int(self.parents[row, j]) == i]
+                if kids and int(target_tokens[row, i]) in [int(t[row, j]) for j in kids]:
+                    rigged[row, i] = t[row, max(kids, key=lambda j: float(self.probs[row, j]))]
+        return right(self, rigged)
+
+    monkeypatch.setattr(DraftTree, "accept", most_probable_child)
+    stat, critical = chi_square(dist, tree_counts(target, DFlashProposer(drafter, target, top_k=3), params, 6))
+    assert stat > critical, "the chi-square test fails to catch descending into the most probable child"
+
+
+def test_a_seed_gives_the_same_tokens_with_trees_cuts_and_without(tiny):  # noqa: F811
+    _, target, drafter = tiny
+    for params in CASES:
+        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(40)]
+        outs = {}
+        for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashProposer(drafter, target, top_k=3), 9),
+                                      ("cut", DFlashProposer(drafter, target, cut=True), 4)]:
+            states = []
+            for _ in generate_steps(target, proposer, reqs, block, states):
+                pass
+            outs[name] = [s.output_ids for s in states]
+        assert outs["ar"] == outs["tree"] == outs["cut"]
