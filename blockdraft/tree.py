@@ -20,6 +20,7 @@ accepted path's keys/values are then moved to consecutive slots (`compact_path`)
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -55,7 +56,11 @@ class DraftTree:
         return cls(torch.cat([last_tokens[:, None], drafts], dim=1), idx - 1, idx, probs.cumprod(1), probs)
 
     def visible(self) -> torch.Tensor:
-        """[B, T, T] bool: node i sees node j iff j is i or one of its ancestors."""
+        """[B, T, T] bool: node i sees node j iff j is i or one of its ancestors (computed once)."""
+        return self._visible
+
+    @functools.cached_property
+    def _visible(self) -> torch.Tensor:
         b, t = self.parents.shape
         eye = torch.eye(t, dtype=torch.bool, device=self.parents.device).expand(b, t, t)
         up = torch.zeros(b, t, t + 1, dtype=torch.bool, device=self.parents.device)

@@ -29,16 +29,17 @@ def draft_dir(tmp_path_factory, random_drafter):
 
 def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
     outs = {}
-    for method in ("ar", "dflash"):
+    for method, extra in (("ar", []), ("dflash", []), ("dflash-tree", ["--tree-budget", "6"])):
         code, out, err = cli("generate", "--prompt", "Name three fruits.", "--chat", "--max-new-tokens", "12",
-                             "--method", method, "--draft", str(draft_dir), "--json")
+                             "--method", method, "--draft", str(draft_dir), "--json", *extra)
         assert code == 0, err
         outs[method] = data = json.loads(out)
         assert CONTRACT <= set(data)
         assert data["num_output_tokens"] == len(data["token_ids"]) <= 12
         assert data["tau"] == pytest.approx(sum(data["acceptance_lengths"]) / len(data["acceptance_lengths"]))
         assert data["tokens_per_second"] > 0
-    assert outs["ar"]["token_ids"] == outs["dflash"]["token_ids"]
+    assert outs["ar"]["token_ids"] == outs["dflash"]["token_ids"] == outs["dflash-tree"]["token_ids"]
+    assert outs["dflash-tree"]["method"] == "dflash-tree" and outs["dflash-tree"]["block_size"] == 7
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}], tokenize=False,
                                            add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
@@ -54,6 +55,8 @@ def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
     (["--block-size", "32"], "block size 32 must be between 2 and the drafter's trained block size 16"),
     (["--max-new-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--tree-budget", "4", "--method", "lookup"], "--tree-budget applies to method dflash-tree"),
+    (["--tree-budget", "0"], "--tree-budget must be at least 1"),
 ])
 def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir):
     prompt = "Hello"

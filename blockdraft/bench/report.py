@@ -96,6 +96,7 @@ def plots(reports: dict, out: Path) -> list[str]:
         fig.savefig(out / "speedup_vs_block.png", dpi=100)
         made.append("speedup_vs_block.png")
     plt.close(fig)
+    made += tree_budget_plot(reports, out, plt)
     methods = sorted({m for rep in reports.values() for m, r in rep["methods"].items()
                       if r.get("per_position_acceptance")})
     if methods and len(reports) > 1:  # tau per dataset
@@ -114,6 +115,41 @@ def plots(reports: dict, out: Path) -> list[str]:
         plt.close(fig)
         made.append("tau_per_dataset.png")
     return made
+
+
+def tree_budget_plot(reports: dict, out: Path, plt) -> list[str]:
+    """tau and speedup of `dflash-tree@N` against the node budget N, per dataset, with the
+    chains (`dflash[@B]`, `dflash-cut`) of the same run as horizontal lines."""
+    series = {name: sorted((r["block_size"] - 1, r["tau"], r.get("speedup_vs_ar"))
+                           for m, r in rep["methods"].items() if m.split("@")[0] == "dflash-tree")
+              for name, rep in reports.items()}
+    if not any(len(pts) > 1 for pts in series.values()):
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (name, pts), color in zip(series.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        if len(pts) < 2:
+            continue
+        budgets = [p[0] for p in pts]
+        for ax, i in zip(axes, (1, 2)):
+            ax.plot(budgets, [p[i] or 0 for p in pts], marker="o", color=color, label=f"tree, {name}")
+            chains = [(m, r) for m, r in reports[name]["methods"].items()
+                      if m.split("@")[0] in ("dflash", "dflash-cut")]
+            for (m, r), style in zip(chains, ("--", ":", "-.", (0, (1, 4)))):
+                value = r["tau"] if i == 1 else r.get("speedup_vs_ar")
+                if value:
+                    ax.axhline(value, color=color, ls=style, lw=1, label=f"{m}, {name}")
+    axes[0].set_ylabel("tau (tokens per verify step)")
+    axes[1].set_ylabel("speedup vs ar")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("draft tokens verified per step (tree nodes)")
+        ax.legend(fontsize=7)
+    fig.suptitle("DFlash trees vs node budget")
+    fig.tight_layout()
+    fig.savefig(out / "tree_budget.png", dpi=100)
+    plt.close(fig)
+    return ["tree_budget.png"]
 
 
 def write_report(reports: dict, out: Path):
