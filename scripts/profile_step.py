@@ -44,7 +44,7 @@ def main():
           f"(+ prefill); unprofiled run: {plain.tokens_per_second:.1f} tok/s")
     print(f"per step: wall {wall / steps * 1e3:.2f} ms (profiled), inside ops {op_time / steps:.2f} ms, "
           f"{calls / steps:.0f} op calls")
-    print(f"| op | calls/step | ms/step | share of op time |\n|---|---|---|---|")
+    print("| op | calls/step | ms/step | share of op time |\n|---|---|---|---|")
     for e in sorted(top, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
         ms = e.self_cpu_time_total / 1e3 / steps
         print(f"| {e.key} | {e.count / steps:.1f} | {ms:.3f} | {100 * ms * steps / op_time:.1f}% |")

@@ -155,7 +155,6 @@ def test_q4_1_sampling_follows_the_quantized_target(tiny_q4):
     from blockdraft.bench.stats import chi2_goodness_of_fit
 
     target, drafter = tiny_q4
-    params = SamplingParams(1.0)
     one = lambda x: torch.tensor([x])  # noqa: E731
     dist = {}
     with torch.inference_mode():
