@@ -63,14 +63,41 @@ class DraftConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 40960
     attention_bias: bool = False
+    # per layer "full_attention" | "sliding_attention" (None: all full); a sliding layer's
+    # query at position q sees context keys at positions > q - sliding_window (and its block)
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)  # unknown config keys, written back unchanged
+
+    def __post_init__(self):
+        types = self.layer_types
+        if types is None:
+            return
+        if len(types) != self.num_hidden_layers or not set(types) <= {"full_attention", "sliding_attention"}:
+            raise BlockdraftError(f"drafter layer_types must list 'full_attention' or 'sliding_attention' for each "
+                                  f"of the {self.num_hidden_layers} layers, got {types}")
+        if "sliding_attention" in types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise BlockdraftError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer (None: full attention)."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @classmethod
     def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int, target_layer_ids: list[int] | None = None,
-                   intermediate_size: int | None = None) -> "DraftConfig":
-        """A drafter shaped like the target's layers (the published recipe)."""
+                   intermediate_size: int | None = None, sliding_window: int | None = None,
+                   full_layers: list[int] | None = None) -> "DraftConfig":
+        """A drafter shaped like the target's layers (the published recipe). With
+        `sliding_window`, every layer not in `full_layers` is a sliding-window layer."""
         ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
+        types = None
+        if sliding_window:
+            full = set(full_layers or ())
+            if not full <= set(range(num_layers)):
+                raise BlockdraftError(f"--full-layers must be layer indices below {num_layers}, got {sorted(full)}")
+            types = ["full_attention" if i in full else "sliding_attention" for i in range(num_layers)]
         return cls(
             hidden_size=target.hidden_size,
             num_hidden_layers=num_layers,
@@ -87,6 +114,8 @@ class DraftConfig:
             rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
+            layer_types=types,
+            sliding_window=sliding_window if types else None,
         )
 
     @classmethod
@@ -115,6 +144,10 @@ class DraftConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=raw.get("max_position_embeddings", 40960),
                 attention_bias=bool(raw.get("attention_bias", False)),
+                layer_types=(list(raw["layer_types"]) if "sliding_attention" in (raw.get("layer_types") or ())
+                             else None),
+                sliding_window=(raw.get("sliding_window")
+                                if "sliding_attention" in (raw.get("layer_types") or ()) else None),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except KeyError as exc:
@@ -138,7 +171,7 @@ class DraftConfig:
             "hidden_size": self.hidden_size,
             "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types or ["full_attention"] * self.num_hidden_layers),
             "max_position_embeddings": self.max_position_embeddings,
             "max_window_layers": self.num_hidden_layers,
             "model_type": "qwen3",
@@ -149,11 +182,11 @@ class DraftConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_scaling": self.rope_scaling,
             "rope_theta": self.rope_theta,
-            "sliding_window": None,
+            "sliding_window": self.sliding_window,
             "tie_word_embeddings": False,
             "transformers_version": tf_version,
             "use_cache": True,
-            "use_sliding_window": False,
+            "use_sliding_window": self.sliding_window is not None,
             "vocab_size": self.vocab_size,
         }
         for key, value in self.extra.items():
@@ -168,6 +201,15 @@ _PUBLISHED_KEYS = (
     "rope_scaling rope_theta sliding_window tie_word_embeddings transformers_version use_cache "
     "use_sliding_window vocab_size"
 ).split()
+
+
+def sliding_mask(mask: torch.Tensor, positions: torch.Tensor, context_positions: torch.Tensor,
+                 window: int) -> torch.Tensor:
+    """A drafter mask [B, 1, Tq, C + Tq] for a sliding-window layer: a query at position q keeps
+    only the context keys at positions > q - window (its own block stays visible)."""
+    near = context_positions[:, None, None, :] > positions[:, None, :, None] - window
+    block = near.new_ones(*near.shape[:-1], mask.shape[-1] - near.shape[-1])
+    return mask & torch.cat([near, block], dim=-1)
 
 
 class DraftCache(nn.Module):
@@ -338,6 +380,7 @@ class DFlashDrafter(DrafterBase):
             ctx_mask = (keys < positions[:, :1]).view(b, 1, 1, used).expand(-1, 1, t, -1)
             mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, 1, t, t)], dim=-1)
         x = noise_embedding
+        windowed = {}  # sliding window -> that layer kind's mask (made once per forward)
         for i, layer in enumerate(self.layers):
             if i >= self.context_layers:  # this layer sees its block only
                 empty = x.new_zeros(x.shape[0], layer.self_attn.kv_heads, 0, layer.self_attn.head_dim)
@@ -347,7 +390,11 @@ class DFlashDrafter(DrafterBase):
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
             else:
                 ctx_k, ctx_v = cache.k[i, rows, :, :used], cache.v[i, rows, :, :used]
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+            window = self.config.window(i)
+            if window is not None and window not in windowed:
+                key_pos = context_positions if cache is None else keys.expand(positions.shape[0], -1)
+                windowed[window] = sliding_mask(mask, positions, key_pos, window)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask if window is None else windowed[window])
         return self.norm(x)
 
     def write_context(self, cache: DraftCache, context: torch.Tensor, positions: torch.Tensor,

@@ -147,3 +147,81 @@ def test_not_a_drafter_folder_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(BlockdraftError, match="not a DFlash drafter"):
         DFlashDrafter.load(tmp_path)
+
+
+def test_sliding_window_layers_round_trip_in_the_reference_fields(tmp_path):
+    """A config written with the reference's fields for sliding-window drafter layers
+    (`layer_types` with "sliding_attention", `sliding_window`) loads, saves back the same
+    fields, and bad combinations are clear errors."""
+    reference = json.loads(FIXTURE.read_text())
+    n = reference["num_hidden_layers"]
+    reference.update(layer_types=["sliding_attention"] * (n - 1) + ["full_attention"], sliding_window=2048,
+                     use_sliding_window=True)
+    cfg = DraftConfig.from_dict(reference)
+    assert [cfg.window(i) for i in range(n)] == [2048] * (n - 1) + [None]
+    out = cfg.to_dict()
+    for key in ("layer_types", "sliding_window", "use_sliding_window"):
+        assert out[key] == reference[key], key
+    assert DraftConfig.from_dict(json.loads(FIXTURE.read_text())).window(0) is None  # all full: unchanged
+    model = tiny_drafter()
+    cfg2 = DraftConfig.for_target(tiny_target(), num_layers=2, block_size=8, mask_token_id=5, sliding_window=3,
+                                  full_layers=[1])
+    assert cfg2.layer_types == ["sliding_attention", "full_attention"]
+    sliding = DFlashDrafter(cfg2).eval()
+    sliding.load_state_dict(model.state_dict())
+    sliding.save(tmp_path / "s")
+    loaded = DFlashDrafter.load(tmp_path / "s")
+    assert loaded.config.layer_types == cfg2.layer_types and loaded.config.sliding_window == 3
+    with pytest.raises(BlockdraftError, match="sliding_window"):
+        DraftConfig.from_dict({**reference, "sliding_window": None})
+    with pytest.raises(BlockdraftError, match="layer_types"):
+        DraftConfig.from_dict({**reference, "layer_types": ["sliding_attention"]})
+    with pytest.raises(BlockdraftError, match="full-layers"):
+        DraftConfig.for_target(tiny_target(), num_layers=2, mask_token_id=5, sliding_window=3, full_layers=[2])
+
+
+def test_a_sliding_window_sees_only_the_recent_context():
+    """Decoding (cached) equals the masked training forward with the window; a window wider
+    than the context changes nothing; a narrow one changes the output; and the result equals a
+    brute-force run in which the far context is simply absent (one query, one sliding layer)."""
+    base = tiny_drafter()
+    ctx_len, bs = 20, 8
+
+    def with_window(window, full_layers=()):
+        cfg = DraftConfig.for_target(tiny_target(), num_layers=2, block_size=bs, mask_token_id=5,
+                                     sliding_window=window, full_layers=list(full_layers))
+        d = DFlashDrafter(cfg).eval()
+        d.load_state_dict(base.state_dict())
+        return d
+
+    torch.manual_seed(1)
+    context = torch.randn(1, ctx_len, 2 * 64)
+    noise = torch.randn(1, bs, 64)
+    positions = torch.arange(ctx_len, ctx_len + bs)[None]
+
+    def cached(d):
+        cache = d.new_cache(1, ctx_len + bs)
+        d.write_context(cache, context, torch.arange(ctx_len)[None])
+        return d(noise, positions, cache=cache)
+
+    def trained(d):
+        mask = torch.ones(1, 1, bs, ctx_len + bs, dtype=torch.bool)
+        return d(noise, positions, context, torch.arange(ctx_len)[None], mask)
+
+    with torch.no_grad():
+        full = cached(base)
+        wide = with_window(ctx_len + bs)
+        assert torch.allclose(cached(wide), full, atol=1e-6)
+        narrow = with_window(5)
+        out = cached(narrow)
+        assert not torch.allclose(out, full, atol=1e-3)
+        torch.testing.assert_close(out, trained(narrow), atol=2e-5, rtol=1e-4)
+        # brute force, one query at position 20: with window 5 it sees context positions 16..19
+        # only, which is a full-attention drafter whose mask hides the rest
+        mask = torch.ones(1, 1, 1, ctx_len + 1, dtype=torch.bool)
+        one = narrow(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None], mask)
+        mask[..., : ctx_len - 4] = False
+        ref = base(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None], mask)
+        torch.testing.assert_close(one, ref, atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(one, base(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None],
+                                            torch.ones(1, 1, 1, ctx_len + 1, dtype=torch.bool)), atol=1e-3)

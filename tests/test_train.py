@@ -398,3 +398,21 @@ def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(t
     assert all(torch.equal(saved[k].float(), v.float()) for k, v in warm.drafter.state_dict().items())
     with pytest.raises(BlockdraftError, match="another shape"):
         Trainer(tiny_config(root, tmp_path / "c", num_layers=3, init_from=str(tmp_path / "a" / "drafter")))
+
+
+def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp_path):
+    """`blockdraft train --sliding-window W --full-layers ...`: the masked training forward of a
+    drafter with a sliding-window layer equals its cached decode forward block for block (the
+    window cuts real context here: sequences are longer than W), and the saved drafter keeps
+    the reference's `layer_types` / `sliding_window` fields."""
+    root = tiny_corpus[0]
+    out = tmp_path / "run"
+    proc = train_cli(root, out, "--num-layers", "2", "--sliding-window", "6", "--full-layers", "1",
+                     "--max-steps", "3")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    saved = json.loads((out / "drafter" / "config.json").read_text())
+    assert saved["layer_types"] == ["sliding_attention", "full_attention"] and saved["sliding_window"] == 6
+    trainer = Trainer(tiny_config(root, tmp_path / "check", sliding_window=6, full_layers=[1]))
+    assert trainer.drafter.config.window(0) == 6 and trainer.drafter.config.window(1) is None
+    check_forward_consistency(trainer)

@@ -52,6 +52,8 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None: the recipe's value for the block size; 0: no decay
     arch: str = "dflash"  # dflash | eagle3 (the EAGLE-3-style baseline, same data and pipeline)
     context_mode: str = "kv"  # kv (inject in every layer) | input (first layer only, for the ablation)
+    sliding_window: int | None = None  # >0: drafter layers see the context within this window (sliding_attention)
+    full_layers: list[int] | None = None  # with sliding_window: these drafter layers keep full attention
     batch_size: int = 4  # sequences per step per process
     max_seq_len: int = 512
     max_steps: int = 1000
@@ -227,7 +229,8 @@ class Trainer:
             cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
         draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
                                            block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                           target_layer_ids=cfg.target_layer_ids)
+                                           target_layer_ids=cfg.target_layer_ids,
+                                           sliding_window=cfg.sliding_window, full_layers=cfg.full_layers)
         ours = {"context_mode": cfg.context_mode} if cfg.context_mode != "kv" else {}
         if cfg.draft_vocab:
             ours["draft_vocab_size"] = min(cfg.draft_vocab, self.target.config.vocab_size)
