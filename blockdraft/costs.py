@@ -42,14 +42,17 @@ class StepCosts:
 
     def estimate(self, batch: int, width: int) -> float:
         """Seconds (or, before any measurement at all, decode steps) of a (batch, width) step."""
-        if (batch, width) in self.seconds:
-            return self.seconds[(batch, width)]
+        return self.estimates(batch, [width])[0]
+
+    def estimates(self, batch: int, widths) -> list[float]:
+        """`estimate` for several widths, the prior's scale worked out once."""
         batches = {b for b, _ in self.seconds}
-        if not batches:
-            return prior_cost(width)
-        near = min(batches, key=lambda b: (abs(b - batch), b))
-        ratios = [s / prior_cost(w) for (b, w), s in self.seconds.items() if b == near]
-        return sorted(ratios)[len(ratios) // 2] * prior_cost(width)  # (comparable within one batch size)
+        scale = 1.0
+        if batches:
+            near = min(batches, key=lambda b: (abs(b - batch), b))
+            ratios = sorted(s / prior_cost(w) for (b, w), s in self.seconds.items() if b == near)
+            scale = ratios[len(ratios) // 2]  # (comparable within one batch size)
+        return [self.seconds.get((batch, w), scale * prior_cost(w)) for w in widths]
 
 
 def best_width(scores: torch.Tensor, costs: StepCosts, batch: int, widths=None) -> int:
@@ -63,4 +66,5 @@ def best_width(scores: torch.Tensor, costs: StepCosts, batch: int, widths=None) 
     gains = torch.cat([scores.new_zeros(1), scores.double().sum(0).cumsum(0)]) + scores.shape[0]
     candidates = range(n_max + 1) if widths is None else sorted({w - 1 for w in widths if 1 <= w <= n_max + 1})
     gains = gains.tolist()
-    return max(candidates, key=lambda n: (gains[n] / costs.estimate(batch, n + 1), -n))
+    cost = dict(zip(candidates, costs.estimates(batch, [n + 1 for n in candidates])))
+    return max(candidates, key=lambda n: (gains[n] / cost[n], -n))

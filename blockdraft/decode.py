@@ -137,11 +137,11 @@ class DecodeState:
         keys = torch.arange(max(ends) + 1, device=positions.device).expand(positions.shape[0], -1)
         return positions, self.target.attention_mask(positions, keys), self._groups(ends, group_rows)
 
-    def tree_layout(self, tree: DraftTree, group_rows: int = 0):
-        """Positions, slots, mask and groups for verifying a tree: node i at position
-        committed + depth(i) in slot committed + i; it sees the committed context and its
-        own ancestors (siblings and cousins share positions but not slots)."""
-        committed = self.committed[: tree.tokens.shape[0]]
+    def tree_layout(self, tree: DraftTree, committed: torch.Tensor, group_rows: int = 0):
+        """Positions, slots, mask and groups for verifying a tree below rows of `committed` [B]
+        lengths: node i at position committed + depth(i) in slot committed + i; it sees the
+        committed context and its own ancestors (siblings and cousins share positions but not
+        slots)."""
         b, t = tree.tokens.shape
         positions = committed[:, None] + tree.depths
         slots = committed[:, None] + torch.arange(t, device=committed.device)
@@ -328,7 +328,7 @@ class DecodeLoop:
             tree = self.proposer.propose_tree(pending, committed, n, rows=rows)
             block = tree.tokens
             t1 = clock(device)
-            positions, slots, mask, groups = self.state.tree_layout(tree, group_rows)
+            positions, slots, mask, groups = self.state.tree_layout(tree, committed, group_rows)
         else:
             drafts = self.proposer.propose(pending, committed, n, rows=rows)
             t1 = clock(device)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import BlockdraftError
 from .costs import StepCosts, best_width
 from .draft import DFlashDrafter
+from .errors import BlockdraftError
 from .models.transformer import Transformer
 from .tree import Calibration, DraftTree, build_tree
 
@@ -155,8 +155,7 @@ class DFlashProposer(Proposer):
             return
         if on_path is None:  # a chain: the first `accepted` drafts and the root
             on_path = torch.arange(self.last.size, device=accepted.device) <= accepted[:, None]
-        if on_path.shape == self.last.tokens.shape:
-            self.calibration.update(self.last, on_path, live)
+        self.calibration.update(self.last, on_path, live)
         self.last = None
 
     def expected_tokens(self, block):
