@@ -17,6 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q4_1"],
                    help="default: bf16 on CUDA, fp32 on CPU; q4_1: the target's linear layers from 4-bit weights "
                         "(CPU; the default target's GGUF values)")
+    p.add_argument("--draft-window", type=int, metavar="W",
+                   help="DFlash methods: the drafter sees only the last W committed tokens (flat draft cost on "
+                        "long contexts; default: the whole context)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -43,7 +46,8 @@ def _load_engine(args, method_names: list[str]):
     specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
     dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
-                       use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle)
+                       use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle,
+                       draft_window=args.draft_window)
 
 
 def _sampling_kwargs(args) -> dict:

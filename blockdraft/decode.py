@@ -289,7 +289,7 @@ class DecodeLoop:
                                        capture=self.proposer.capture_layers)
         last = hidden[torch.arange(count, device=device), lengths - 1]
         first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
-        self.proposer.observe(tokens, features, positions, rows=rows)
+        self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
         return {key: _emit(req, state, [int(t)]) for (_, (key, req, state)), t in zip(run, first.tolist())}
 
@@ -353,7 +353,6 @@ class DecodeLoop:
         t2 = clock(device)
         self.costs.record(len(occupied), width, t2 - t1)
         self.proposer.verified(accepted, on_path, torch.tensor(live, device=device))
-        self.proposer.observe(block, features, positions, rows=rows)
         accepted_list, bonus_list, drafts_list = accepted.tolist(), bonus.tolist(), drafts.tolist()
         drafted = width - 1
         new_ids, finished = {}, {}
@@ -370,6 +369,7 @@ class DecodeLoop:
         active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
                                for b in range(rows.stop)], device=device)
         self.state.commit(rows, accepted, bonus, active)
+        self.proposer.observe(block, features, positions, rows=rows, valid=self.state.committed[rows].clone())
         t3 = time.perf_counter()
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
                     batch=len(occupied), block_size=block_size)

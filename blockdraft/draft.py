@@ -213,14 +213,49 @@ def sliding_mask(mask: torch.Tensor, positions: torch.Tensor, context_positions:
 
 
 class DraftCache(nn.Module):
-    """Per-layer keys/values of the context (committed tokens), addressed by position."""
+    """Per-layer keys/values of the context (committed tokens).
 
-    def __init__(self, cfg: DraftConfig, batch: int, max_len: int, dtype, device):
+    Unbounded (`window` None): slot = position, `max_len` slots. Bounded draft context
+    (`window` W): a ring of W slots holding the last W committed positions (slot = position
+    mod W, `pos` says which position each slot holds, -1 for none) plus one scratch slot
+    where writes of uncommitted positions land; memory and attention cost stay flat however
+    long the sequence grows."""
+
+    def __init__(self, cfg: DraftConfig, batch: int, max_len: int, dtype, device, window: int | None = None):
         super().__init__()
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        slots = max_len if window is None else window + 1
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.batch, self.max_len = batch, max_len
+        self.register_buffer("pos", torch.full((batch, slots), -1, dtype=torch.long, device=device),
+                             persistent=False)
+        self.batch, self.max_len, self.window = batch, max_len, window
+
+    def clear(self):
+        self.pos.fill_(-1)
+
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Where context at `positions` [B, C] is written. With a window, a position outside
+        [valid - W, valid) (`valid` [B]: each row's committed length after this write) goes
+        to the scratch slot: it is junk or has already left the window."""
+        if self.window is None:
+            return positions
+        if valid is None:
+            raise ValueError("a bounded draft cache needs the rows' committed lengths")
+        keep = (positions < valid[:, None]) & (positions >= valid[:, None] - self.window)
+        return torch.where(keep, positions % self.window, self.window)
+
+    def context(self, rows, anchors: torch.Tensor):
+        """(slot count n, key positions [B, n], mask [B, n]) of the context blocks anchored at
+        `anchors` [B] see: the cached positions strictly before the anchor (the last W of them
+        with a window)."""
+        used = int(anchors.max())
+        if self.window is None:
+            keys = torch.arange(used, device=anchors.device).expand(anchors.shape[0], -1)
+            return used, keys, keys < anchors[:, None]
+        n = min(used, self.window)
+        keys = self.pos[rows, :n]
+        return n, keys, (keys >= 0) & (keys < anchors[:, None]) & (keys >= anchors[:, None] - self.window)
 
 
 class DraftAttention(nn.Module):
@@ -375,9 +410,8 @@ class DFlashDrafter(DrafterBase):
             if context is not None:
                 self.write_context(cache, context, context_positions, rows)
             b, t = positions.shape
-            used = int(positions[:, 0].max())
-            keys = torch.arange(used, device=positions.device)
-            ctx_mask = (keys < positions[:, :1]).view(b, 1, 1, used).expand(-1, 1, t, -1)
+            used, keys, ctx_mask = cache.context(rows, positions[:, 0])
+            ctx_mask = ctx_mask.view(b, 1, 1, used).expand(-1, 1, t, -1)
             mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, 1, t, t)], dim=-1)
         x = noise_embedding
         windowed = {}  # sliding window -> that layer kind's mask (made once per forward)
@@ -392,26 +426,31 @@ class DFlashDrafter(DrafterBase):
                 ctx_k, ctx_v = cache.k[i, rows, :, :used], cache.v[i, rows, :, :used]
             window = self.config.window(i)
             if window is not None and window not in windowed:
-                key_pos = context_positions if cache is None else keys.expand(positions.shape[0], -1)
+                key_pos = context_positions if cache is None else keys
                 windowed[window] = sliding_mask(mask, positions, key_pos, window)
             x = layer(x, cos, sin, ctx_k, ctx_v, mask if window is None else windowed[window])
         return self.norm(x)
 
     def write_context(self, cache: DraftCache, context: torch.Tensor, positions: torch.Tensor,
-                      rows: slice = slice(None)):
+                      rows: slice = slice(None), valid: torch.Tensor | None = None):
         """Project context features [B, C, k*H] into every layer's cached K/V at their
-        positions [B, C], for batch rows `rows` (the KV injection, done once per token)."""
+        positions [B, C], for batch rows `rows` (the KV injection, done once per token).
+        `valid` [B]: each row's committed length after this write (needed with a window)."""
         fused = self.hidden_norm(self.fc(context))
         cos, sin = self.rotary(positions, fused.dtype)
         index = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        slots = cache.slots(positions, valid)
+        if cache.window is not None:
+            cache.pos[rows][index, slots] = positions
+            cache.pos[rows, cache.window] = -1  # the scratch slot holds nothing
         for i, layer in enumerate(self.layers[: self.context_layers]):
             k, v = layer.self_attn.keys_values(fused, cos, sin)
-            cache.k[i, rows].transpose(1, 2)[index, positions] = k.transpose(1, 2)
-            cache.v[i, rows].transpose(1, 2)[index, positions] = v.transpose(1, 2)
+            cache.k[i, rows].transpose(1, 2)[index, slots] = k.transpose(1, 2)
+            cache.v[i, rows].transpose(1, 2)[index, slots] = v.transpose(1, 2)
 
-    def new_cache(self, batch: int, max_len: int) -> DraftCache:
+    def new_cache(self, batch: int, max_len: int, window: int | None = None) -> DraftCache:
         w = self.fc.weight
-        return DraftCache(self.config, batch, max_len, w.dtype, w.device)
+        return DraftCache(self.config, batch, max_len, w.dtype, w.device, window)
 
     def check_target(self, target: TargetConfig):
         """Raise a clear error if this drafter was not made for a target shaped like `target`."""

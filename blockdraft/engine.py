@@ -87,8 +87,9 @@ def default_device() -> tuple[torch.device, torch.dtype]:
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
-                 packed: bool = False):
+                 packed: bool = False, draft_window: int | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.draft_window = draft_window  # DFlash methods: the drafter sees the last W committed tokens
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
         self.packed = packed
@@ -109,7 +110,8 @@ class Engine:
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
-             eagle: str | Path | None = None, packed: bool = True) -> "Engine":
+             eagle: str | Path | None = None, packed: bool = True,
+             draft_window: int | None = None) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -117,7 +119,9 @@ class Engine:
         `packed` (fp32 on CPU with MKL): multiply verify-sized inputs by prepacked weights
         (`models.packed`; about 3x each model's weight memory per packed size, made on first use).
         `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
-        target the GGUF file's own values, see `models.quant`); drafters stay fp32."""
+        target the GGUF file's own values, see `models.quant`); drafters stay fp32.
+        `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost
+        on long contexts; None: the whole context)."""
         dev, dt = default_device()
         quantized = dtype if isinstance(dtype, str) else None
         if quantized is not None:
@@ -153,7 +157,7 @@ class Engine:
         if packed:  # (a quantized target has no fp32 linears left to pack; its drafters do)
             packed = sum(pack_linears(m) for m in (model, drafter, baseline) if m is not None) > 0
         return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
-                   default_target=target is None, packed=packed)
+                   default_target=target is None, packed=packed, draft_window=draft_window)
 
     def drafter_for(self, kind: str):
         """The loaded drafter of a kind ("dflash" | "eagle3"); the one shipped for the default

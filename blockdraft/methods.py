@@ -55,19 +55,20 @@ def _lookup(engine):
 def _dflash(engine):
     from .proposers import DFlashProposer
 
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target)
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, draft_window=engine.draft_window)
 
 
 def _dflash_cut(engine):
     from .proposers import DFlashProposer
 
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target, cut=True)
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, cut=True, draft_window=engine.draft_window)
 
 
 def _dflash_tree(engine):
     from .proposers import DFlashProposer
 
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES)
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES,
+                          draft_window=engine.draft_window)
 
 
 TREE_TOP_K = 32  # candidates per block position a tree may branch into (measured: wider pays, see README)

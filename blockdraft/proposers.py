@@ -32,10 +32,11 @@ class Proposer:
         """Start a new batch of `batch` sequences of at most `max_len` positions."""
 
     def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor,
-                rows: slice = slice(None)) -> None:
+                rows: slice = slice(None), valid: torch.Tensor | None = None) -> None:
         """Tokens [B, T] of batch rows `rows` just processed by the target at positions
-        [B, T], with their captured features. Entries past a row's committed length are
-        junk; a later call rewrites those positions."""
+        [B, T], with their captured features. Entries at or past a row's committed length
+        (`valid` [B], when the caller knows it) are junk; a later call rewrites those
+        positions."""
 
     def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int,
                 rows: slice = slice(None)) -> torch.Tensor:
@@ -71,15 +72,21 @@ class DFlashProposer(Proposer):
       with the most expected tokens per second given the (calibrated) draft probabilities
       and the loop's measured step costs (`costs.best_width`);
     - `top_k > 1`: a tree of the `top_k` best tokens per position, grown best first up to the
-      step's node budget (`tree.build_tree`), verified in one target forward."""
+      step's node budget (`tree.build_tree`), verified in one target forward.
+
+    `draft_window` W bounds the drafter's context to the last W committed tokens (a ring
+    cache): draft time and drafter memory stay flat on long contexts."""
 
     name = "dflash"
     can_permute = False
     MAX_TREE_NODES = 64
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, cut: bool = False, top_k: int = 1,
-                 tree_nodes: int = 16):
+                 tree_nodes: int = 16, draft_window: int | None = None):
         drafter.check_target(target.config)
+        if draft_window is not None and draft_window < 1:
+            raise BlockdraftError(f"the draft window must be at least 1 token, got {draft_window}")
+        self.draft_window = draft_window  # the drafter sees the last W committed tokens (None: all)
         self.drafter, self.target = drafter, target
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.max_block_size = drafter.config.block_size
@@ -102,18 +109,21 @@ class DFlashProposer(Proposer):
         self._pending: list[tuple[torch.Tensor, torch.Tensor, slice]] = []
 
     def reset(self, batch, max_len):
-        if self.cache is None or self.cache.batch != batch or self.cache.max_len < max_len:
-            self.cache = self.drafter.new_cache(batch, max_len)
+        cache = self.cache
+        if (cache is None or cache.batch != batch or cache.window != self.draft_window
+                or (self.draft_window is None and cache.max_len < max_len)):
+            self.cache = self.drafter.new_cache(batch, max_len, self.draft_window)
+        self.cache.clear()
         self._pending = []
         self.last = None
 
-    def observe(self, tokens, features, positions, rows=slice(None)):
-        self._pending.append((features, positions, rows))  # projected lazily, in propose
+    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
+        self._pending.append((features, positions, rows, valid))  # projected lazily, in propose
 
     def _block_hidden(self, last_tokens, positions, n, rows):
         """The drafter's final hidden states [B, n, H] for positions p+1..p+n."""
-        for features, ctx_positions, ctx_rows in self._pending:
-            self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows)
+        for features, ctx_positions, ctx_rows, valid in self._pending:
+            self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows, valid)
         self._pending = []
         if n == 0:
             return None
@@ -181,7 +191,7 @@ class LookupProposer(Proposer):
     def permute(self, order):
         self.history = self.history[order.cpu().numpy()]
 
-    def observe(self, tokens, features, positions, rows=slice(None)):
+    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
         hist = self.history[rows]
         index = positions.cpu().numpy()
         hist[np.arange(index.shape[0])[:, None], index] = tokens.cpu().numpy()
@@ -241,7 +251,7 @@ class EagleProposer(Proposer):
             self.batch = batch
         self.done = torch.zeros(batch, dtype=torch.long, device=dev)  # slots [0, done) are in the cache
 
-    def observe(self, tokens, features, positions, rows=slice(None)):
+    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
         index = torch.arange(positions.shape[0], device=positions.device)[:, None]
         self.tokens[rows][index, positions] = tokens
         self.fused[rows][index, positions] = self.drafter.fc(features)

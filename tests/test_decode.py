@@ -205,3 +205,25 @@ def test_rows_sorted_by_length_with_grouped_attention_change_no_output(smol, cha
             alone = run(smol, Proposer(), [req.prompt_ids], 1, max_new=req.max_new_tokens)[0]
             assert_same_or_tie(hf_smol, req.prompt_ids, states[i].output_ids, alone.output_ids,
                                f"{proposer.name} request {i}")
+
+
+def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_the_context(
+        smol, hf_smol, chat_ids, ours_greedy):
+    """The shipped drafter (real acceptance) with --draft-window: a window wider than every
+    sequence accepts exactly what the unbounded drafter accepts; a narrow one (the ring wraps
+    many times, slots reused by continuous batching) still emits the target's own tokens."""
+    from blockdraft.engine import shipped_drafter
+
+    drafter = DFlashDrafter.load(shipped_drafter("dflash"))
+    prompts = [chat_ids[i] for i in (4, 9, 0, 5)]
+    truths = [ours_greedy[i] for i in (4, 9, 0, 5)]
+    unbounded = run(smol, DFlashProposer(drafter, smol), prompts, 16)
+    wide = run(smol, DFlashProposer(drafter, smol, draft_window=4096), prompts, 16)
+    assert [s.acceptance_lengths for s in wide] == [s.acceptance_lengths for s in unbounded]
+    states = []
+    reqs = [Request(p, max_new_tokens=N_NEW, stop_token_ids=(2,)) for p in prompts]
+    for _ in generate_steps(smol, DFlashProposer(drafter, smol, draft_window=5), reqs, 16, states, batch_size=2):
+        pass
+    for out, truth in zip(states, truths):
+        assert out.output_ids == truth
+    assert any(a > 1 for s in unbounded for a in s.acceptance_lengths)  # drafts were accepted

@@ -225,3 +225,49 @@ def test_a_sliding_window_sees_only_the_recent_context():
         torch.testing.assert_close(one, ref, atol=2e-5, rtol=1e-4)
         assert not torch.allclose(one, base(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None],
                                             torch.ones(1, 1, 1, ctx_len + 1, dtype=torch.bool)), atol=1e-3)
+
+
+def test_a_bounded_draft_context_equals_hiding_all_but_the_last_w_tokens():
+    """A ring cache of W slots (`new_cache(..., window=W)`), fed as the decode loop feeds it (a
+    padded prefill longer than W, then verify blocks whose rejected tail is junk), gives every
+    block exactly the unbounded drafter's output with the context before anchor - W masked
+    out; two rows at different lengths."""
+    model = tiny_drafter()
+    w, bs, n = 6, 8, 48
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn(2, n, 128, generator=g)  # committed context features by position
+    noise = torch.randn(2, bs, 64, generator=g)
+    cache = model.new_cache(2, 64, window=w)
+    lengths = torch.tensor([13, 9])  # a prefill padded to 13 columns: row 1's last 4 are junk
+    width = int(lengths.max())
+    pre = truth[:, :width].clone()
+    pre[1, 9:] = torch.randn(4, 128, generator=g)
+    advances = [[1, 4, 2, 7, 3, 1, 5], [3, 1, 6, 2, 2, 4, 1]]
+    checked = 0
+    with torch.no_grad():
+        model.write_context(cache, pre, torch.arange(width).expand(2, -1), valid=lengths)
+        anchors = lengths.clone()
+        for step in range(len(advances[0])):
+            positions = anchors[:, None] + torch.arange(bs)
+            out = model(noise, positions, cache=cache)
+            for b in range(2):
+                a = int(anchors[b])
+                mask = torch.ones(1, 1, bs, a + bs, dtype=torch.bool)
+                mask[..., : max(0, a - w)] = False
+                ref = model(noise[b:b + 1], positions[b:b + 1], truth[b:b + 1, :a], torch.arange(a)[None], mask)
+                torch.testing.assert_close(out[b:b + 1], ref, atol=2e-5, rtol=1e-4)
+                checked += 1
+            # verify a block: features at anchor .. anchor+bs-1, the tail past the accepted ones junk
+            feats = truth[torch.arange(2)[:, None], positions.clamp(max=n - 1)].clone()
+            new = anchors + torch.tensor([advances[0][step], advances[1][step]])
+            feats[positions >= new[:, None]] = torch.randn(int((positions >= new[:, None]).sum()), 128, generator=g)
+            model.write_context(cache, feats, positions, valid=new)
+            anchors = new
+    assert checked == 14 and int(anchors.min()) > 3 * w  # the ring wrapped several times
+
+
+def test_a_bounded_cache_needs_the_committed_lengths():
+    model = tiny_drafter()
+    cache = model.new_cache(1, 32, window=4)
+    with pytest.raises(ValueError, match="committed lengths"):
+        model.write_context(cache, torch.zeros(1, 3, 128), torch.arange(3)[None])
