@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import BlockdraftError
@@ -121,16 +122,42 @@ def _interrupt_on_sigterm():
 
 
 def cmd_data_regenerate(args) -> int:
-    from .engine import Engine
     from .train.data import regenerate
 
     _interrupt_on_sigterm()
-    engine = Engine.load(args.target, args.draft, use_draft=args.method == "dflash")
-    stats = regenerate(engine, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
+    if args.server:
+        from .models import eos_token_ids, load_tokenizer
+        from .models.default import default_target_dir
+        from .train.remote import RemoteTarget
+
+        if args.method != "ar" or args.draft:
+            raise BlockdraftError("--server: the server decodes; --method and --draft apply to in-process regeneration")
+        folder = args.target or default_target_dir()
+        tokenizer = load_tokenizer(folder)
+        stops = sorted(set(eos_token_ids(folder)) | {tokenizer.eos_token_id} - {None})
+        source = RemoteTarget(args.server, tokenizer, stops, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                              model=args.model, concurrency=args.concurrency)
+    else:
+        from .engine import Engine
+
+        source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash")
+    stats = regenerate(source, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                       temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds)
+                       temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds,
+                       concurrency=args.concurrency)
     print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
           f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
+    if args.server:
+        if stats.from_text:
+            print(f"regenerate: {stats.from_text} answers came as text only and were tokenized here; "
+                  f"{stats.round_trip_mismatches} of them ({stats.round_trip_mismatches / stats.from_text:.1%}) do "
+                  "not decode back to the same text", file=sys.stderr)
+        if stats.prompt_mismatches:
+            print(f"regenerate: for {stats.prompt_mismatches} samples the server's prompt tokens differed from "
+                  "ours (its chat template?); the server's were kept", file=sys.stderr)
+        if stats.rejected:
+            print(f"regenerate: the server refused {stats.rejected} prompts (retried next run), e.g. "
+                  f"{stats.last_rejection}", file=sys.stderr)
     return 0
 
 
@@ -272,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
-    r.add_argument("--target")
+    r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")
+    r.add_argument("--server", metavar="URL",
+                   help="answer through this OpenAI-compatible server (vLLM, SGLang, blockdraft serve) instead of "
+                        "in-process, e.g. http://127.0.0.1:8000")
+    r.add_argument("--api-key", help="--server: bearer token (default: $OPENAI_API_KEY)")
+    r.add_argument("--model", help="--server: the model name to ask for (default: the server's first)")
+    r.add_argument("--concurrency", type=int, default=64, help="--server: requests in flight")
     r.set_defaults(func=cmd_data_regenerate)
 
     t = sub.add_parser("train", help="train a DFlash drafter on regenerated data (torchrun for DDP)")

@@ -284,6 +284,9 @@ def create_app(server: Server) -> FastAPI:
             server.check_model(body)
             prompt_ids = server.chat_prompt(body) if chat else server.completion_prompt(body)
             row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16)
+            return_ids = _field(body, "return_token_ids", bool, False, what="a boolean")
+            if return_ids and stream:
+                raise ApiError(400, "'return_token_ids' is supported without streaming only", "return_token_ids")
         except ApiError as exc:
             server.metrics.observe_request(endpoint, exc.status)
             raise
@@ -349,8 +352,12 @@ def create_app(server: Server) -> FastAPI:
                         "finish_reason": finish}]
         else:
             choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": server.model_name, "choices": choices, "usage": server.usage(handle)}
+        reply = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                 "model": server.model_name, "choices": choices, "usage": server.usage(handle)}
+        if return_ids:  # as vLLM: the exact tokens (a stop token included), for training-data regeneration
+            choices[0]["token_ids"] = list(handle.state.output_ids)
+            reply["prompt_token_ids"] = list(prompt_ids)
+        return reply
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -97,7 +97,7 @@ def training_prompts(tokenizer, mix: dict[str, float] | str | None = None, max_p
             continue
         split = "valid" if is_validation(rec.get("group", rec["id"])) else "train"
         yield {"id": rec["id"], "source": source, "split": split,
-               "prompt": messages[-1]["content"], "prompt_ids": ids}
+               "prompt": messages[-1]["content"], "prompt_ids": ids, "messages": messages}
 
 
 # ---- shards -----------------------------------------------------------------------------
@@ -214,6 +214,12 @@ class RegenStats:
     steps: int = 0
     # (seconds since start, answer tokens, prompt tokens, samples written so far) after each step
     timeline: list = field(default_factory=list)
+    # through a server (`remote.answer_prompts_remote`):
+    from_text: int = 0  # answers tokenized here from the returned text (no token ids returned)
+    round_trip_mismatches: int = 0  # ... of which decoding the ids did not give the text back
+    prompt_mismatches: int = 0  # the server's prompt ids differed from ours (its are kept)
+    rejected: int = 0  # prompts the server refused (HTTP 400; retried next run)
+    last_rejection: str = ""
 
     def steady_rates(self, written: int) -> tuple[float, float, float]:
         """(answer tok/s, prompt tok/s, seconds) from the step at which `written` samples were
@@ -231,8 +237,16 @@ class RegenStats:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _seed(sample_id: str) -> int:
+def sample_seed(sample_id: str) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") >> 1
+
+
+def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str, temperature: float,
+                max_new_tokens: int) -> dict:
+    """The JSON line written for an answered prompt (its chat messages are not kept)."""
+    fields = {k: v for k, v in prompt.items() if k != "messages"}
+    return {**fields, "answer_ids": answer_ids, "finish_reason": finish_reason, "method": method,
+            "temperature": temperature, "max_new_tokens": max_new_tokens}
 
 
 @torch.inference_mode()
@@ -262,8 +276,8 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         loop.release(k)
         p = pending.pop(k)
         if on_sample is not None:
-            on_sample({**p, "answer_ids": state.output_ids, "finish_reason": state.finish_reason,
-                       "method": method, "temperature": temperature, "max_new_tokens": max_new_tokens})
+            on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, temperature=temperature,
+                                  max_new_tokens=max_new_tokens))
         stats.written += 1
         if bar is not None:
             bar.update(1)
@@ -278,7 +292,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
             if p is None:
                 exhausted = True
                 break
-            req = Request(p["prompt_ids"], max_new_tokens, SamplingParams(temperature, top_p, seed=_seed(p["id"])), stop)
+            req = Request(p["prompt_ids"], max_new_tokens, SamplingParams(temperature, top_p, seed=sample_seed(p["id"])), stop)
             items.append((key, req, SequenceState()))
             pending[key] = p
             key += 1
@@ -308,11 +322,15 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | None = None, limit: int | None = None,
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", seconds: float | None = None,
-               until=None, progress: bool = True) -> RegenStats:
+               until=None, progress: bool = True, concurrency: int = 64) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
 
+    `engine`: an `Engine` (the target runs here, `batch_size` rows, `method`) or a
+    `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
     `seconds` stops the run after that long (rows still running are dropped, redone next time)."""
+    from .remote import RemoteTarget, answer_prompts_remote
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lock = open(out / ".lock", "w")
@@ -320,6 +338,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise BlockdraftError(f"another `data regenerate` is writing to {out}") from None
+    remote = isinstance(engine, RemoteTarget)
     try:
         tidy_shards(out)
         done = {s["id"] for s in iter_samples(out)}
@@ -327,17 +346,20 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
         todo = (p for p in stream if p["id"] not in done)
+        how = f"{concurrency} requests at once to {engine.url}" if remote else f"{batch_size} rows"
         print(f"regenerate: {len(done)} samples already in {out}; answering up to {max_new_tokens} tokens "
-              f"with {batch_size} rows", file=sys.stderr)
+              f"with {how}", file=sys.stderr)
         writer = ShardWriter(out)
         bar = tqdm(total=limit and max(0, limit - len(done)), unit="sample", desc="regenerate", dynamic_ncols=True,
                    disable=not progress)
+        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seconds=seconds,
+                      until=until, on_sample=writer.write, bar=bar)
         try:
-            stats = answer_prompts(engine, todo, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                   temperature=temperature, top_p=top_p, method=method,
-                                   max_prompt_tokens=max_prompt_tokens, seconds=seconds, until=until,
-                                   on_sample=writer.write,
-                                   bar=bar)
+            if remote:
+                stats = answer_prompts_remote(engine, todo, concurrency=concurrency, stats=RegenStats(), **common)
+            else:
+                stats = answer_prompts(engine, todo, batch_size=batch_size, method=method,
+                                       max_prompt_tokens=max_prompt_tokens, **common)
         finally:
             bar.close()
             writer.close()
