@@ -117,7 +117,8 @@ class DecodeState:
     (which keeps its drafter's cache), and every row's committed length and pending token
     (emitted, not yet in the cache). Rollback after a verify happens in `commit` and
     nowhere else: for attention caches with slot = position it is the committed length
-    itself (slots past it are never attended and get overwritten)."""
+    itself (slots past it are never attended and get overwritten); recurrent layers copy
+    their state at the committed length (`target.commit`)."""
 
     def __init__(self, target: Transformer, proposer: Proposer, batch: int, max_len: int):
         self.target, self.proposer = target, proposer
@@ -179,7 +180,7 @@ class DecodeState:
     def permute(self, order: torch.Tensor):
         """Reorder the rows (row i becomes old row order[i]), caches included."""
         self.committed, self.pending = self.committed[order], self.pending[order]
-        self.cache.k, self.cache.v = self.cache.k[:, order], self.cache.v[:, order]
+        self.cache.permute(order)
         self.proposer.permute(order)
 
     def start(self, rows: slice, lengths: torch.Tensor, first: torch.Tensor):
@@ -251,7 +252,8 @@ class DecodeLoop:
     def admit(self, items: list[tuple]) -> dict:
         """Prefill (key, Request, SequenceState) items into free slots, in order; returns each
         key's first token(s). Runs of consecutive free slots are prefilled together, in
-        right-padded forwards of at most PREFILL_TOKENS padded tokens (or one prompt)."""
+        right-padded forwards of at most PREFILL_TOKENS padded tokens (or one prompt). A target
+        with recurrent layers takes one prompt per forward: padding would run through its state."""
         free = self.free_slots
         if len(items) > len(free):
             raise BlockdraftError(f"{len(items)} requests for {len(free)} free slots")
@@ -264,7 +266,7 @@ class DecodeLoop:
         for slot, item in list(zip(free, items)) + [(None, None)]:
             if run:
                 width = max(len(r[1][1].prompt_ids) for r in run)
-                if (slot is None or slot != run[-1][0] + 1
+                if (slot is None or slot != run[-1][0] + 1 or self.target.recurrent
                         or (len(run) + 1) * max(width, len(item[1].prompt_ids)) > self.PREFILL_TOKENS):
                     out.update(self._prefill(run))
                     run = []

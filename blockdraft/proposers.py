@@ -97,6 +97,10 @@ class DFlashProposer(Proposer):
                 raise BlockdraftError(
                     "tree verification needs float32 target weights: with quantized weights a token "
                     "verified in a tree is not bit-identical to the same token decoded alone")
+            if target.recurrent:
+                raise BlockdraftError(
+                    "tree verification needs a target without recurrent layers: linear attention keeps one "
+                    "state per sequence, not one per tree branch (use a chain method: dflash, dflash-cut)")
             self.name, self.drafts_trees = "dflash-tree", True
             self.max_block_size = self.MAX_TREE_NODES + 1  # a block counts the root and the nodes
             self.default_block_size = tree_nodes + 1

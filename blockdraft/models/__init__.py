@@ -1,4 +1,4 @@
-"""Target models: the Llama family, loaded from local HF folders."""
+"""Target models: the Llama family and Qwen3.5, loaded from local HF folders."""
 
 from .config import TargetConfig
 from .loading import eos_token_ids, load_target, load_tokenizer

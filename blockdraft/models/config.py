@@ -14,7 +14,11 @@ ARCHITECTURES = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (None, True),
+    "qwen3_5_text": (None, True),
 }
+
+# vision-language model_type -> its language model's (whose config is nested as `text_config`)
+MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
 
 
 def rope_settings(raw: dict, default_theta: float) -> tuple[float, dict | None]:
@@ -45,10 +49,27 @@ class TargetConfig:
     qk_norm: bool
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # hybrid families (Qwen3.5): per layer "linear_attention" | "full_attention" (None: all full
+    # attention), and the shape of the linear-attention (Gated DeltaNet) layers
+    layer_types: list[str] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # rotary embedding on the first head_dim * factor dims of a head
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TargetConfig":
         model_type = raw.get("model_type")
+        if model_type in MULTIMODAL:  # the language model only; its output head is tied as the outer config says
+            raw = {**raw["text_config"], "model_type": MULTIMODAL[model_type],
+                   "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+            model_type = raw["model_type"]
         if model_type not in ARCHITECTURES:
             raise BlockdraftError(
                 f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
@@ -62,6 +83,17 @@ class TargetConfig:
             window = None
         if model_type == "qwen3" and not raw.get("use_sliding_window", False):
             window = None
+        hybrid = {}
+        if model_type == "qwen3_5_text":
+            hybrid = {k: raw[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                          "linear_value_head_dim", "linear_conv_kernel_dim")}
+            interval = raw.get("full_attention_interval", 4)  # HF's default layout: every 4th layer is full
+            hybrid["layer_types"] = list(raw.get("layer_types") or [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(raw["num_hidden_layers"])])
+            rope = raw.get("rope_parameters") or {}
+            hybrid["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
+                                                             raw.get("partial_rotary_factor", 0.25)))
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -80,6 +112,7 @@ class TargetConfig:
             qk_norm=qk_norm,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             sliding_window=window,
+            **hybrid,
         )
 
     @classmethod

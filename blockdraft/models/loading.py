@@ -11,6 +11,7 @@ from safetensors import safe_open
 from ..errors import BlockdraftError
 from .config import TargetConfig
 from .layers import Rotary
+from .qwen3_5 import Qwen3_5
 from .transformer import Transformer
 
 # model_type (HF config.json) -> the model class that implements the target interface
@@ -22,6 +23,7 @@ FAMILIES: dict[str, type] = {
     "mistral": Transformer,
     "qwen2": Transformer,
     "qwen3": Transformer,
+    "qwen3_5_text": Qwen3_5,
 }
 
 
@@ -69,7 +71,7 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
+    model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
     return model.eval()
 
 

@@ -189,6 +189,9 @@ def quantize_target(model, gguf_file=None) -> dict:
         raise BlockdraftError("this torch build has no int4/int8 CPU weight kernels (torch >= 2.6 needed)")
     if model.device.type != "cpu":
         raise BlockdraftError("q4_1 weights run on CPU (torch's int4 CPU kernels)")
+    # bf16-rounded activations turn last-bit differences between a token decoded alone and the
+    # same token verified in a block into different tokens: use the attention that has none
+    model.set_attention_chunk(ATTENTION_CHUNK)
     cfg = model.config
     tensors = _gguf_tensors(gguf_file) if gguf_file else None
     swapped, worst = 0, 0.0
@@ -239,9 +242,6 @@ def quantize_target(model, gguf_file=None) -> dict:
     exact = dequantize_groups(q8, d8)
     head_error = (head.dequantized() - exact).abs().max().item()
     model.lm_head = head
-    # bf16-rounded activations turn last-bit differences between a token decoded alone and the
-    # same token verified in a block into different tokens: use the attention that has none
-    model.set_attention_chunk(ATTENTION_CHUNK)
     exact = chunked_attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                        ATTENTION_CHUNK)
     if not exact:

@@ -8,7 +8,7 @@ whoever owns the sequences (the decode loop's `DecodeState`).
 The target interface, shared by every family: `forward(tokens, positions, cache,
 slots=..., mask=...)` -> (final hidden states, captured features), `logits`,
 `embed`, `new_cache`, and `commit(cache, rows, ...)` (nothing to do for attention
-layers; recurrent layers would keep their state at the accepted position there).
+layers; recurrent layers keep their state at the accepted position there, see `qwen3_5`).
 
 Each batch row is an independent sequence. A forward writes the keys/values of its
 tokens into cache slots (by default slot = position) and lets every query see the
@@ -62,6 +62,25 @@ class KVCache:
         b, t = slots.shape
         return slots[:, None, :, None].expand(b, self.k.shape[2], t, self.k.shape[4])
 
+    def permute(self, order: torch.Tensor):
+        """Reorder the rows: row i becomes old row order[i]."""
+        self.k, self.v = self.k[:, order], self.v[:, order]
+
+
+def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  groups: list[tuple[slice, int]] | None, chunk: int = 0) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over k/v [B, KV, S, D]. `groups`: (row range, slots) pairs:
+    each range of rows attends to its own first slots only (views, no copies). `chunk` > 0:
+    `attend_chunked` with an additive mask."""
+
+    def run(q, k, v, mask):
+        return attend_chunked(q, k, v, mask, chunk) if chunk else attend(q, k, v, mask)
+
+    if groups is None:
+        return run(q, k, v, mask)
+    return torch.cat([run(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
+                      for r, u in groups])
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: TargetConfig):
@@ -94,15 +113,7 @@ class Attention(nn.Module):
             v = qkv[:, self.heads + self.kv_heads:]
         k, v = write(k, v)
         chunked = self.chunk and mask is not None and mask.dtype != torch.bool  # (an additive chunked mask)
-
-        def run(q, k, v, mask):
-            return attend_chunked(q, k, v, mask, self.chunk) if chunked else attend(q, k, v, mask)
-
-        if groups is None:
-            out = run(q, k, v, mask)
-        else:  # views, no copies: reads only the slots each range of rows can see
-            out = torch.cat([run(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
-                             for r, u in groups])
+        out = attend_groups(q, k, v, mask, groups, self.chunk if chunked else 0)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -118,11 +129,17 @@ class FusedSwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# HF projections that read the same input -> our one fused projection (Qwen3.5's linear
+# attention has four: q/k/v, its output gate z, beta's b and the decay's a)
+FUSED = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
+         (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj"))
+
+
 def fuse_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map an HF checkpoint's q/k/v and gate/up projections onto our fused ones."""
+    """Map an HF checkpoint's projections onto our fused ones (`FUSED`)."""
     out = dict(weights)
     for name in list(weights):
-        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for parts, fused in FUSED:
             if f".{parts[0]}." in name:
                 names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
                 if all(n in weights for n in names):
@@ -157,15 +174,17 @@ class Transformer(nn.Module):
     """A causal LM loaded from HF `*ForCausalLM` checkpoints of the Llama family."""
 
     from_hf_weights = staticmethod(fuse_hf_weights)  # HF checkpoint names -> our fused parameters
+    backbone = Backbone  # the embedding, decoder layers and final norm
+    recurrent = False  # no layer keeps a state per sequence besides its cache slots (see `qwen3_5`)
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = self.backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     @property
     def device(self) -> torch.device:
@@ -228,7 +247,23 @@ class Transformer(nn.Module):
         by length then skip the padding up to the longest row).
         """
         x = self.embed(tokens)
-        cos, sin = self.rotary(positions, x.dtype)
+        inputs = self.layer_inputs(positions, x.dtype, cache, slots, mask, rows, groups)
+        captured = {}
+        last = max(capture) if features_only and capture else len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers[: last + 1]):
+            x = layer(x, *inputs(i))
+            if i in capture:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return (None if features_only else self.model.norm(x)), features
+
+    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None,
+                     slots: torch.Tensor | None, mask: torch.Tensor | None, rows: slice,
+                     groups: list[tuple[slice, int]] | None):
+        """`inputs(i)`: what layer i takes besides its hidden states in a forward (see `forward`):
+        the rotary cos/sin, the attention mask, its `write(k, v)` (store its keys/values in the
+        cache and return those to attend to) and the attention groups."""
+        cos, sin = self.rotary(positions, dtype)
         if cache is None:
             mask = self.attention_mask(positions, positions) if mask is None else mask
 
@@ -254,14 +289,7 @@ class Transformer(nn.Module):
 
             def writer(i):
                 return lambda k, v: cache.write(i, slots, k, v, used, rows, index)
-        captured = {}
-        last = max(capture) if features_only and capture else len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers[: last + 1]):
-            x = layer(x, cos, sin, mask, writer(i), groups)
-            if i in capture:
-                captured[i] = x
-        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return (None if features_only else self.model.norm(x)), features
+        return lambda i: (cos, sin, mask, writer(i), groups)
 
     def attention_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor,
                        always: bool = False) -> torch.Tensor | None:

@@ -165,6 +165,9 @@ def init_from_target(drafter, target, how: str):
     layers = target.model.layers
     if how not in ("target-first", "target-last", "target-last-fc"):
         raise BlockdraftError(f"--init must be random, target-first, target-last or target-last-fc, not {how!r}")
+    if target.recurrent:
+        raise BlockdraftError(f"--init {how} copies Llama-style attention layers; this target's layers are "
+                              "linear and gated attention (use --init random)")
     with torch.no_grad():
         if getattr(drafter, "kind", "dflash") == "eagle3":
             theirs = layers[0] if how == "target-first" else layers[-1]  # (-fc: EAGLE's fc stays random)

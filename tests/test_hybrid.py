@@ -1,0 +1,284 @@
+"""Qwen3.5 targets (linear attention + gated full attention) compute what HF transformers
+computes, and decode losslessly: plain, prompt-lookup and DFlash speculative decoding emit HF's
+own greedy tokens, with the linear layers' states rolled back exactly after rejected drafts.
+
+A tiny random Qwen3.5 (layers: linear, linear, full, linear) in fp32 is the target, initialised
+with large weights so that its choices depend on the context (a linear layer's state that is a
+token off changes them) and with a sharpened output head so that they are far from ties.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockdraft.decode import DecodeLoop, Request, SequenceState, generate_steps
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.errors import BlockdraftError
+from blockdraft.models import load_target, quant
+from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
+
+VOCAB = 256
+N_NEW = 20
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+PROMPT_LENS = (3, 70, 11, 24)  # 70: the prefill runs the chunked form over two chunks
+# logits reach ~20 here: fp32 noise is ~2e-4 (HF's own cached decode and full forward differ by that)
+TOL = dict(atol=1e-3, rtol=1e-4)
+
+
+def text_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
+              max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+              initializer_range=0.2)
+    kw.update(overrides)
+    return Qwen3_5TextConfig(**kw)
+
+
+def randomize(model):
+    """Non-trivial norms (a norm read without its 1 + w offset would show) and a sharp head."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.lm_head.weight.mul_(3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from transformers import Qwen3_5ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen3_5")
+    torch.manual_seed(0)
+    hf = randomize(Qwen3_5ForCausalLM(text_config()))
+    hf.save_pretrained(str(path))
+    return hf, load_target(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hybrid, prompts):
+    hf, _ = hybrid
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def drafter(hybrid):
+    torch.manual_seed(4)
+    cfg = DraftConfig.for_target(hybrid[1].config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1,
+                                 target_layer_ids=[1, 2])  # a linear and an attention layer's output
+    return DFlashDrafter(cfg).eval()
+
+
+class Rigged(DFlashProposer):
+    """Runs the real drafter (the context features are exercised), then drafts the true
+    continuation for the first `right` positions of each block and wrong tokens after."""
+
+    def __init__(self, drafter, target, truths, prompt_lens, right):
+        super().__init__(drafter, target)
+        self.truths, self.prompt_lens, self.right = truths, prompt_lens, right
+
+    def propose(self, last_tokens, positions, n, rows=slice(None)):
+        drafts = super().propose(last_tokens, positions, n, rows)
+        for b in range(drafts.shape[0]):
+            for k in range(n):
+                i = int(positions[b]) + 1 + k - self.prompt_lens[b]
+                truth = self.truths[b][i] if i < len(self.truths[b]) else 0
+                drafts[b, k] = truth if k < self.right else (truth + 1) % VOCAB
+        return drafts
+
+
+def run(target, proposer, prompts, block_size, max_new=None, batch_size=None):
+    states = []
+    reqs = [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new or [N_NEW] * len(prompts))]
+    steps = list(generate_steps(target, proposer, reqs, block_size, states, batch_size=batch_size))
+    return states, steps
+
+
+def test_config_reads_the_hybrid_layout_and_fits_a_drafter(hybrid):
+    cfg = hybrid[1].config
+    assert cfg.layer_types == LAYER_TYPES and cfg.rotary_dim == 8  # 32 * HF's default partial factor 0.25
+    drafter_cfg = DraftConfig.for_target(cfg, mask_token_id=1)
+    DFlashDrafter(drafter_cfg).check_target(cfg)
+    assert drafter_cfg.num_target_layers == 4 and drafter_cfg.hidden_size == 64 and drafter_cfg.vocab_size == VOCAB
+
+
+def test_logits_through_the_cache_with_rollbacks_match_hf(hybrid):
+    """Two rows share a cache: row 0 is fed a sequence in pieces and keeps them all; row 1 is fed
+    blocks of the same sequence whose tail is junk, and keeps only the tokens before the junk
+    (none, some, all). Every kept position's logits and captured features are HF's."""
+    hf, ours = hybrid
+    seq = torch.randint(1, VOCAB, (160,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = hf(seq[None, :100], output_hidden_states=True)
+    ref, hidden = out.logits[0], out.hidden_states
+    cache = ours.new_cache(2, 192)
+    lengths = torch.zeros(2, dtype=torch.long)
+    got = [{}, {}]
+    # (tokens per forward, tokens row 1 keeps); the first is a prefill, kept whole
+    for t, keep in ((5, 5), (1, 1), (7, 3), (6, 0), (4, 4), (30, 17), (16, 2), (1, 0), (12, 12)):
+        positions = lengths[:, None] + torch.arange(t)
+        tokens = seq[positions]
+        tokens[1, keep:] = (tokens[1, keep:] + 7) % VOCAB
+        with torch.no_grad():
+            h, f = ours(tokens, positions, cache, capture=(1, 2))
+        kept = torch.tensor([t, keep])
+        for b in range(2):
+            for j in range(int(kept[b])):
+                got[b][int(positions[b, j])] = (ours.logits(h[b, j]), f[b, j])
+        lengths += kept
+        ours.commit(cache, slice(None), lengths)
+    assert lengths.tolist() == [82, 44]
+    # row 1 starts a new sequence (position 0) in its used row while row 0 goes on: from empty states
+    positions = torch.stack([lengths[0] + torch.arange(8), torch.arange(8)])
+    with torch.no_grad():
+        h, _ = ours(seq[positions], positions, cache)
+    ours.commit(cache, slice(None), positions[:, -1] + 1)
+    torch.testing.assert_close(ours.logits(h), ref[positions], **TOL)
+    for b in range(2):
+        n = int(lengths[b])
+        assert sorted(got[b]) == list(range(n))
+        logits = torch.stack([got[b][p][0] for p in range(n)])
+        feats = torch.stack([got[b][p][1] for p in range(n)])
+        torch.testing.assert_close(logits, ref[:n], **TOL)
+        torch.testing.assert_close(feats[:, :64], hidden[2][0, :n], **TOL)
+        torch.testing.assert_close(feats[:, 64:], hidden[3][0, :n], **TOL)
+    with torch.no_grad():  # and without a cache, all at once (training and scoring)
+        h, f = ours(seq[None, :100], torch.arange(100)[None], capture=(1,))
+    torch.testing.assert_close(ours.logits(h)[0], ref, **TOL)
+    torch.testing.assert_close(f[0], hidden[2][0], **TOL)
+
+
+def test_greedy_ar_equals_hf_generate_for_a_batch_of_different_lengths(hybrid, prompts, hf_greedy):
+    states, _ = run(hybrid[1], Proposer(), prompts, 1)
+    for p, out, ref in zip(prompts, states, hf_greedy):
+        assert out.output_ids == ref, f"prompt of {len(p)} tokens"
+        assert set(out.acceptance_lengths) == {1}
+
+
+@pytest.mark.parametrize("right, block", [(None, 8), (2, 8), (0, 5)], ids=["perfect", "right-2", "wrong"])
+def test_dflash_rigged_drafts_accept_as_expected_and_stay_exact(hybrid, prompts, hf_greedy, drafter, right, block):
+    target = hybrid[1]
+    proposer = Rigged(drafter, target, hf_greedy, [len(p) for p in prompts], block if right is None else right)
+    states, _ = run(target, proposer, prompts, block)
+    accepted = block if right is None else right + 1
+    for p, out, ref in zip(prompts, states, hf_greedy):
+        assert out.output_ids == ref, f"prompt of {len(p)} tokens"
+        # the prefill gives the first token, then every step accepts `accepted` tokens (the last
+        # step may be cut by the length limit)
+        assert all(a == accepted for a in out.acceptance_lengths[:-1]), out.acceptance_lengths
+        assert len(out.acceptance_lengths) == -(-(N_NEW - 1) // accepted)
+
+
+def test_prompt_lookup_stays_exact_and_accepts_drafts(hybrid, prompts, hf_greedy):
+    """Prompts that start with the greedy answers to all prompts: the model's habitual n-grams
+    are there to look up, so some drafts are accepted and some rejected."""
+    hf, target = hybrid
+    context = [t for ref in hf_greedy for t in ref]
+    lookup_prompts = [context + p for p in prompts]
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p):].tolist()
+                for p in lookup_prompts]
+    states, _ = run(target, LookupProposer(), lookup_prompts, 4)
+    for out, ref in zip(states, refs):
+        assert out.output_ids == ref
+    lengths = {a for s in states for a in s.acceptance_lengths}
+    assert 1 in lengths and max(lengths) > 1
+
+
+def test_continuous_batching_reuses_slots_and_stays_exact(hybrid, prompts, hf_greedy, drafter):
+    """Six requests through two slots: a slot's next prompt starts from empty states."""
+    target = hybrid[1]
+    reqs, refs = prompts + prompts[:2], hf_greedy + hf_greedy[:2]
+    max_new = [5, 17, 9, 20, 12, 3]
+    for proposer, block in ((Proposer(), 1), (LookupProposer(), 4), (DFlashProposer(drafter, target), 6)):
+        states, steps = run(target, proposer, reqs, block, max_new=max_new, batch_size=2)
+        assert max(step.batch for step in steps) == 2
+        for out, ref, m in zip(states, refs, max_new):
+            assert out.output_ids == ref[:m], proposer.name
+
+
+def test_rows_sorted_by_length_move_their_states_along(hybrid, prompts, hf_greedy):
+    """Rows reordered every other step (`HybridCache.permute`), attention in groups of rows."""
+    target = hybrid[1]
+    loop = DecodeLoop(target, LookupProposer(), 4, 3, 128, sort_every=2, group_rows=2)
+    states = [SequenceState() for _ in prompts]
+    max_new = [20, 6, 14, 9]
+    waiting, sorted_once = 0, False
+    with torch.inference_mode():
+        while waiting < len(prompts) or loop.active:
+            free = len(loop.free_slots)
+            batch = [(i, Request(prompts[i], max_new_tokens=max_new[i]), states[i])
+                     for i in range(waiting, min(len(prompts), waiting + free))]
+            waiting += len(batch)
+            if batch:
+                loop.admit(batch)
+            before = list(loop.keys)
+            step = loop.step()
+            sorted_once |= loop.keys != before
+            for key, done in step.finished.items():
+                if done:
+                    loop.release(key)
+    assert sorted_once
+    for out, ref, m in zip(states, hf_greedy, max_new):
+        assert out.output_ids == ref[:m]
+
+
+def test_a_vision_language_folder_loads_its_language_model(tmp_path, prompts):
+    """A `Qwen3_5ForConditionalGeneration` folder (model_type qwen3_5, nested text_config, weights
+    under model.language_model., a vision tower and an MTP head to ignore, tied output head)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
+                  num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=text_config(tie_word_embeddings=True).to_dict(), vision_config=vision,
+                           tie_word_embeddings=True)
+    torch.manual_seed(2)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(str(tmp_path))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5" and "text_config" in raw
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert any(k.startswith("model.language_model.") for k in weights) and "lm_head.weight" not in weights
+    assert any(k.startswith("model.visual.") for k in weights)
+    weights["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_target(tmp_path)
+    assert ours.config.model_type == "qwen3_5_text" and ours.config.tie_word_embeddings
+    ids = prompts[1]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+        h, _ = ours(torch.tensor([ids]), torch.arange(len(ids))[None])
+    torch.testing.assert_close(ours.logits(h)[0], ref, **TOL)
+
+
+def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):
+    target = hybrid[1]
+    with pytest.raises(BlockdraftError, match="tree verification needs a target without recurrent layers"):
+        DFlashProposer(drafter, target, top_k=4)
+    if quant.int4_available():
+        with pytest.raises(BlockdraftError, match="quantized weights are not supported"):
+            quant.quantize_target(target)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": {}}')
+    with pytest.raises(BlockdraftError, match="unsupported architecture 'qwen3_5_moe'"):
+        load_target(tmp_path)
+    from blockdraft.train.trainer import init_from_target
+
+    with pytest.raises(BlockdraftError, match="use --init random"):
+        init_from_target(drafter, target, "target-last")
