@@ -11,6 +11,10 @@ With --out DIR the answers are real training data, written (resumably) into DIR 
 
     .venv/bin/python scripts/regen_throughput.py --batches 16 64 128 256 --window 90 \\
         --out data/regen/smollm2-135m-instruct --json bench-results/regen/throughput.json
+
+`--server-compare N` answers the same N prompts in-process (one loop of --concurrency rows) and
+through `blockdraft serve --method ar --max-batch C` on loopback (`data regenerate --server`,
+C requests in flight), one after the other, and prints both rates and whether the answers agree.
 """
 
 import argparse
@@ -38,6 +42,9 @@ def main():
                     help="instead: profile --window seconds of the loop at ROWS rows (after its first turnover) and "
                          "print where the time goes, by operator")
     ap.add_argument("--offset", type=int, default=0, help="--compare-sorting: skip this many prompts of the mix first")
+    ap.add_argument("--server-compare", type=int, metavar="PROMPTS",
+                    help="instead: in-process vs through a loopback `blockdraft serve` on the same PROMPTS prompts")
+    ap.add_argument("--concurrency", type=int, default=64, help="--server-compare: rows / requests in flight")
     ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
                          "length + grouped attention and without, twice each, interleaved, and print the wall times")
@@ -46,6 +53,8 @@ def main():
         return profile(args)
     if args.compare_sorting:
         return compare_sorting(args)
+    if args.server_compare:
+        return server_compare(args)
     engine = Engine.load(use_draft=False)
     rows = []
     for batch in args.batches:
@@ -96,6 +105,38 @@ def compare_sorting(args):
         seconds = time.perf_counter() - t0
         print(f"rows sorted every {sort_every or '-'} steps: {stats.tokens} answer + {stats.prompt_tokens} prompt "
               f"tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
+
+
+def server_compare(args):
+    import itertools
+
+    from blockdraft.serve.client import ServerProcess
+    from blockdraft.train.data import RegenStats
+    from blockdraft.train.remote import RemoteTarget, answer_prompts_remote
+
+    engine = Engine.load(use_draft=False)
+    prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
+                                    args.offset, args.offset + args.server_compare))
+    c, answers, rates = args.concurrency, {}, {}
+    common = dict(max_new_tokens=args.max_new_tokens, on_sample=lambda s: answers.setdefault(s["id"], []).append(
+        s["answer_ids"]))
+    t0 = time.perf_counter()
+    stats = answer_prompts(engine, iter(prompts), batch_size=c, max_prompt_tokens=args.max_prompt_tokens, **common)
+    rates["in-process"] = stats.tokens / (time.perf_counter() - t0)
+    print(f"in-process, {c} rows: {stats.tokens} answer tokens, {rates['in-process']:.0f} tok/s", flush=True)
+    with ServerProcess("--method", "ar", "--max-batch", str(c), "--max-queue", str(2 * c), "--max-tokens",
+                       str(args.max_new_tokens), "--max-model-len", str(args.max_prompt_tokens + args.max_new_tokens),
+                       "--log-level", "error") as server:
+        remote = RemoteTarget(server.url, engine.tokenizer, engine.stop_token_ids, concurrency=c)
+        t0 = time.perf_counter()
+        stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, temperature=0.0, top_p=1.0,
+                                      stats=RegenStats(), **common)
+        rates["server"] = stats.tokens / (time.perf_counter() - t0)
+    print(f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, {rates['server']:.0f} tok/s",
+          flush=True)
+    same = sum(len(a) == 2 and a[0] == a[1] for a in answers.values())
+    print(f"server / in-process: {rates['server'] / rates['in-process']:.2f}; identical answers: {same} of "
+          f"{len(prompts)} ({torch.get_num_threads()} threads, {cpu_name()})")
 
 
 def profile(args):
