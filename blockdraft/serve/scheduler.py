@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..costs import StepCosts
-from ..decode import DecodeLoop, SequenceState
+from ..decode import DecodeLoop, SequenceState, default_sort_every
 from ..engine import Engine
 from ..errors import BlockdraftError
 
@@ -145,7 +145,8 @@ class Scheduler:
             raise BlockdraftError(f"--block-size must be at least 2 for {method}")
         self.max_model_len = max_model_len
         self.loop = DecodeLoop(engine.target, self.proposer, max(block, 2) if trained > 1 else 1,
-                               max_batch, max_model_len + max(block, 1))
+                               max_batch, max_model_len + max(block, 1),
+                               sort_every=default_sort_every(self.proposer, max_batch))
         self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
                                         estimate=self.proposer.expected_tokens)
         self.max_queue = max_queue

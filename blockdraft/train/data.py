@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..datasets import PROMPT_SOURCES, contaminated, eval_fingerprints, is_validation
-from ..decode import DecodeLoop, Request, SequenceState
+from ..decode import DecodeLoop, Request, SequenceState, default_sort_every
 from ..errors import BlockdraftError
 from ..sampling import SamplingParams
 
@@ -257,16 +257,13 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
     step, free slots take the next prompts (prefilled together); finished rows go to `on_sample`.
     With `seconds`, the loop stops after that long, with `until` once `until(stats)` is true
-    (checked every step); rows still running are then dropped. `sort_every` (default: 32 when
-    the proposer can reorder rows and there are more than 16) sorts rows by length that often."""
+    (checked every step); rows still running are then dropped. `sort_every`: steps between
+    sorts of the rows by length (default: `decode.default_sort_every`)."""
     proposer = engine.proposer(method)
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
-    # rows sorted by length every 32 steps, attention per 16 rows: long and short rows stop
-    # paying for each other's cache slots (only proposers that can reorder rows)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
-                      sort_every=(32 if proposer.can_permute and batch_size > 16 else 0) if sort_every is None
-                      else sort_every)
+                      sort_every=default_sort_every(proposer, batch_size) if sort_every is None else sort_every)
     stats, t0 = RegenStats(), time.perf_counter()
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
