@@ -20,6 +20,10 @@ ARCHITECTURES = {
 # vision-language model_type -> its language model's (whose config is nested as `text_config`)
 MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
 
+# mixture-of-experts families with published DFlash drafters that blockdraft does not run yet
+MIXTURE_OF_EXPERTS = {"qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3",
+                      "kimi_k2", "kimi_k25"}
+
 
 def rope_settings(raw: dict, default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) of an HF config: transformers 5 keeps them in
@@ -71,9 +75,9 @@ class TargetConfig:
                    "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
             model_type = raw["model_type"]
         if model_type not in ARCHITECTURES:
-            raise BlockdraftError(
-                f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
-            )
+            moe = " (mixture-of-experts targets are not supported yet)" if model_type in MIXTURE_OF_EXPERTS else ""
+            known = ", ".join(sorted({*ARCHITECTURES, *MULTIMODAL}))
+            raise BlockdraftError(f"unsupported architecture {model_type!r}{moe}; supported: {known}")
         fixed_bias, qk_norm = ARCHITECTURES[model_type]
         bias = fixed_bias if fixed_bias is not None else bool(raw.get("attention_bias", False))
         theta, scaling = rope_settings(raw, 10000.0)
