@@ -20,7 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser):
                         "(CPU; the default target's GGUF values)")
     p.add_argument("--draft-window", type=int, metavar="W",
                    help="DFlash methods: the drafter sees only the last W committed tokens (flat draft cost on "
-                        "long contexts; default: the whole context)")
+                        "long contexts; default: the longest context the drafter was trained on when its config "
+                        "records it, else the whole context; 0: the whole context)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -48,7 +49,7 @@ def _load_engine(args, method_names: list[str]):
     dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
                        use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle,
-                       draft_window=args.draft_window)
+                       draft_window="auto" if args.draft_window is None else args.draft_window)
 
 
 def _sampling_kwargs(args) -> dict:

@@ -84,6 +84,12 @@ class DraftConfig:
         sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
 
+    @property
+    def train_context(self) -> int | None:
+        """The longest sequence (prompt + answer tokens) blockdraft trained this drafter on
+        (None: unknown, e.g. a published drafter): the default draft window."""
+        return self.extra.get("blockdraft", {}).get("train_context")
+
     @classmethod
     def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int, target_layer_ids: list[int] | None = None,

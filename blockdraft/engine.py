@@ -87,7 +87,7 @@ def default_device() -> tuple[torch.device, torch.dtype]:
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
-                 packed: bool = False, draft_window: int | None = None):
+                 packed: bool = False, draft_window: int | str | None = "auto"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.draft_window = draft_window  # DFlash methods: the drafter sees the last W committed tokens
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
@@ -111,7 +111,7 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_window: int | None = None) -> "Engine":
+             draft_window: int | str | None = "auto") -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -121,7 +121,8 @@ class Engine:
         `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
         target the GGUF file's own values, see `models.quant`); drafters stay fp32.
         `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost
-        on long contexts; None: the whole context)."""
+        on long contexts). "auto": the context the drafter was trained on, when its config
+        says (blockdraft-trained drafters), else the whole context; 0: the whole context."""
         dev, dt = default_device()
         quantized = dtype if isinstance(dtype, str) else None
         if quantized is not None:

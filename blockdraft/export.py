@@ -52,12 +52,14 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     if set(state) != expected:
         raise BlockdraftError(f"{src}: weights outside the published set: {sorted(set(state) ^ expected)[:4]}")
     write_model_folder(out, config, state, dtype)
-    vocab = ours.get("draft_vocab_size")
+    vocab, context = ours.get("draft_vocab_size"), ours.get("train_context")
     (Path(out) / "README.md").write_text(
         f"# DFlash drafter (exported by blockdraft)\n\n"
         f"The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
         f"(`--speculative-algorithm DFLASH`). Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
         f"target layers {list(cfg.target_layer_ids)}, mask token id {cfg.mask_token_id}.\n\n"
         + (f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
-           f"the target's whole vocabulary.\n" if vocab else ""))
+           f"the target's whole vocabulary.\n\n" if vocab else "")
+        + (f"Trained on sequences of up to {context} tokens: SGLang's `--speculative-draft-window-size {context}` "
+           f"keeps its draft context within what it learned.\n" if context else ""))
     return {"draft_vocab_size": vocab, "config": sorted(set(raw) - set(config) - {"dtype"})}

@@ -75,18 +75,22 @@ class DFlashProposer(Proposer):
       step's node budget (`tree.build_tree`), verified in one target forward.
 
     `draft_window` W bounds the drafter's context to the last W committed tokens (a ring
-    cache): draft time and drafter memory stay flat on long contexts."""
+    cache): draft time and drafter memory stay flat on long contexts. "auto" (default): the
+    longest context the drafter was trained on, when recorded (blockdraft-trained drafters),
+    else the whole context; 0 or None: the whole context."""
 
     name = "dflash"
     can_permute = False
     MAX_TREE_NODES = 64
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, cut: bool = False, top_k: int = 1,
-                 tree_nodes: int = 16, draft_window: int | None = None):
+                 tree_nodes: int = 16, draft_window: int | str | None = "auto"):
         drafter.check_target(target.config)
-        if draft_window is not None and draft_window < 1:
-            raise BlockdraftError(f"the draft window must be at least 1 token, got {draft_window}")
-        self.draft_window = draft_window  # the drafter sees the last W committed tokens (None: all)
+        if draft_window == "auto":
+            draft_window = drafter.config.train_context
+        if draft_window is not None and (not isinstance(draft_window, int) or draft_window < 0):
+            raise BlockdraftError(f"the draft window must be a number of tokens >= 0, got {draft_window!r}")
+        self.draft_window = draft_window or None  # the drafter sees the last W committed tokens (None: all)
         self.drafter, self.target = drafter, target
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.max_block_size = drafter.config.block_size

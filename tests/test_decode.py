@@ -10,6 +10,7 @@ import torch
 
 from blockdraft.decode import Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Proposer
 
 N_NEW = 24
@@ -217,7 +218,10 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     drafter = DFlashDrafter.load(shipped_drafter("dflash"))
     prompts = [chat_ids[i] for i in (4, 9, 0, 5)]
     truths = [ours_greedy[i] for i in (4, 9, 0, 5)]
-    unbounded = run(smol, DFlashProposer(drafter, smol), prompts, 16)
+    assert DFlashProposer(drafter, smol).draft_window == 512  # default: the context it was trained on
+    with pytest.raises(BlockdraftError, match="draft window"):
+        DFlashProposer(drafter, smol, draft_window=-1)
+    unbounded = run(smol, DFlashProposer(drafter, smol, draft_window=0), prompts, 16)
     wide = run(smol, DFlashProposer(drafter, smol, draft_window=4096), prompts, 16)
     assert [s.acceptance_lengths for s in wide] == [s.acceptance_lengths for s in unbounded]
     states = []

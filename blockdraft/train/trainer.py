@@ -234,10 +234,14 @@ class Trainer:
                                            block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                            target_layer_ids=cfg.target_layer_ids,
                                            sliding_window=cfg.sliding_window, full_layers=cfg.full_layers)
-        ours = {"context_mode": cfg.context_mode} if cfg.context_mode != "kv" else {}
+        # what the published format cannot say: the longest context trained on (the default
+        # --draft-window when decoding), an ablation's context mode, a draft vocabulary
+        ours = {"train_context": cfg.max_seq_len}
+        if cfg.context_mode != "kv":
+            ours["context_mode"] = cfg.context_mode
         if cfg.draft_vocab:
             ours["draft_vocab_size"] = min(cfg.draft_vocab, self.target.config.vocab_size)
-        draft_cfg.extra = {"blockdraft": ours} if ours else {}
+        draft_cfg.extra = {"blockdraft": ours}
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
         self.samples = self._load_samples()
         self._orders: dict[int, list[int]] = {}
