@@ -184,12 +184,15 @@ class Server:
 
     # ---- generation --------------------------------------------------------------------
 
-    async def run(self, request: Request, row, endpoint: str):
-        """Submit and yield (delta text, handle) as tokens are accepted; cancels on disconnect."""
+    async def run(self, request: Request, row, endpoint: str, stream: bool = True):
+        """Submit and yield (delta text, handle, ended) as tokens are accepted (`stream`) or once,
+        with the whole text, when the request ends; cancels on disconnect."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(h):
+            if not stream and not h.done:
+                return  # nobody reads partial text: no wake-up, no detokenizing per step
             try:
                 loop.call_soon_threadsafe(events.put_nowait, h)
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
@@ -340,7 +343,7 @@ def create_app(server: Server) -> FastAPI:
 
         text, handle = "", None
         try:
-            async for delta, handle, _ended in server.run(request, row, endpoint):
+            async for delta, handle, _ended in server.run(request, row, endpoint, stream=False):
                 text += delta
         except ApiError as exc:
             server.metrics.observe_request(endpoint, exc.status)
