@@ -218,7 +218,6 @@ class Scheduler:
     # ---- the scheduler thread --------------------------------------------------------
 
     def _run(self):
-        torch.set_grad_enabled(False)
         while True:
             with self.cond:
                 while not self.stopping and not self.waiting and not self.running:
@@ -252,6 +251,7 @@ class Scheduler:
                     self.loop.release(h.id)
                     self._finish(h)
 
+    @torch.inference_mode()  # (grad mode is per thread: the loop's own, as in `generate_steps`)
     def _advance(self, admit: list[Handle]):
         if admit:
             try:
