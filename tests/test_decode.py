@@ -30,12 +30,13 @@ def hf_greedy(hf_smol, chat_ids):
 
 
 class RiggedProposer(DFlashProposer):
-    """Runs the real drafter (so the context-feature path is exercised), then replaces
-    its tokens with the true continuation (perfect) or something else (always wrong)."""
+    """Runs the real drafter (so the context-feature path is exercised), then replaces its
+    tokens: the true continuation for the first `right` drafts of every block (None: all of
+    them, a perfect drafter; 0: always wrong), a wrong token after."""
 
-    def __init__(self, drafter, target, truths, prompt_lens, perfect):
+    def __init__(self, drafter, target, truths, prompt_lens, right=None, vocab=49152):
         super().__init__(drafter, target)
-        self.truths, self.prompt_lens, self.perfect = truths, prompt_lens, perfect
+        self.truths, self.prompt_lens, self.right, self.vocab = truths, prompt_lens, right, vocab
 
     def propose(self, last_tokens, positions, n, rows=slice(None)):
         drafts = super().propose(last_tokens, positions, n, rows)
@@ -43,7 +44,7 @@ class RiggedProposer(DFlashProposer):
             for k in range(n):
                 i = int(positions[b]) + 1 + k - self.prompt_lens[b]
                 truth = self.truths[b][i] if i < len(self.truths[b]) else 0
-                drafts[b, k] = truth if self.perfect else (truth + 1) % 49152
+                drafts[b, k] = truth if self.right is None or k < self.right else (truth + 1) % self.vocab
         return drafts
 
 
@@ -98,7 +99,7 @@ def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_gree
 def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
                                                               random_drafter):
     lens = [len(p) for p in chat_ids]
-    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, perfect=True)
+    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens)
     states = run(smol, proposer, chat_ids, 16)  # all ten prompts in one batch
     for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
         assert out.output_ids == ours, f"perfect prompt {k}: differs from our own greedy output"
@@ -112,7 +113,7 @@ def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, cha
 def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
                                                              random_drafter):
     lens = [len(p) for p in chat_ids]
-    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, perfect=False)
+    proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, right=0)
     states = run(smol, proposer, chat_ids, 8)  # and a run-time block size below the trained 16
     for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
         assert out.output_ids == ours, f"wrong prompt {k}: differs from our own greedy output"
@@ -144,14 +145,14 @@ def test_output_tokens_equal_to_the_mask_id_are_kept(smol, hf_smol, chat_ids, hf
 
 def test_max_new_tokens_and_stop_tokens_are_honoured(smol, chat_ids, hf_greedy, random_drafter):
     lens = [len(chat_ids[0])]
-    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens, perfect=True)
+    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens)
     out = run(smol, perfect, [chat_ids[0]], 16, max_new=5)[0]
     assert out.output_ids == hf_greedy[0][:5] and out.finish_reason == "length"
     # stop at the first occurrence of a token in the middle of a fully accepted block
     stop = hf_greedy[0][7]
     states = []
     req = Request(chat_ids[0], max_new_tokens=N_NEW, stop_token_ids=(stop,))
-    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens, perfect=True)
+    perfect = RiggedProposer(random_drafter, smol, [hf_greedy[0]], lens)
     list(generate_steps(smol, perfect, [req], 16, states))
     assert states[0].output_ids == hf_greedy[0][: hf_greedy[0].index(stop) + 1]
     assert states[0].finish_reason == "stop"

@@ -19,6 +19,8 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
 from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
 
+from .test_decode import RiggedProposer
+
 VOCAB = 256
 N_NEW = 20
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -80,24 +82,6 @@ def drafter(hybrid):
     cfg = DraftConfig.for_target(hybrid[1].config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1,
                                  target_layer_ids=[1, 2])  # a linear and an attention layer's output
     return DFlashDrafter(cfg).eval()
-
-
-class Rigged(DFlashProposer):
-    """Runs the real drafter (the context features are exercised), then drafts the true
-    continuation for the first `right` positions of each block and wrong tokens after."""
-
-    def __init__(self, drafter, target, truths, prompt_lens, right):
-        super().__init__(drafter, target)
-        self.truths, self.prompt_lens, self.right = truths, prompt_lens, right
-
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
-        drafts = super().propose(last_tokens, positions, n, rows)
-        for b in range(drafts.shape[0]):
-            for k in range(n):
-                i = int(positions[b]) + 1 + k - self.prompt_lens[b]
-                truth = self.truths[b][i] if i < len(self.truths[b]) else 0
-                drafts[b, k] = truth if k < self.right else (truth + 1) % VOCAB
-        return drafts
 
 
 def run(target, proposer, prompts, block_size, max_new=None, batch_size=None):
@@ -171,7 +155,7 @@ def test_greedy_ar_equals_hf_generate_for_a_batch_of_different_lengths(hybrid, p
 @pytest.mark.parametrize("right, block", [(None, 8), (2, 8), (0, 5)], ids=["perfect", "right-2", "wrong"])
 def test_dflash_rigged_drafts_accept_as_expected_and_stay_exact(hybrid, prompts, hf_greedy, drafter, right, block):
     target = hybrid[1]
-    proposer = Rigged(drafter, target, hf_greedy, [len(p) for p in prompts], block if right is None else right)
+    proposer = RiggedProposer(drafter, target, hf_greedy, [len(p) for p in prompts], right, vocab=VOCAB)
     states, _ = run(target, proposer, prompts, block)
     accepted = block if right is None else right + 1
     for p, out, ref in zip(prompts, states, hf_greedy):

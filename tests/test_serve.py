@@ -294,7 +294,7 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
             self.prompt_lens = [len(prompts[i]) if i is not None else 0 for i in which]
             return super().propose(last_tokens, positions, n_, rows)
 
-    sched.proposer = sched.loop.proposer = SlotRigged(random_drafter, smol, [], [], perfect=True)
+    sched.proposer = sched.loop.proposer = SlotRigged(random_drafter, smol, [], [])
     sched.loop.proposer.reset(sched.loop.slots, sched.loop.max_len)
     sched.start()
     handles = []
