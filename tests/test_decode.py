@@ -177,32 +177,40 @@ def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, ch
                                f"{proposer.name} request {i}")
 
 
+def run_sorting(loop, reqs):
+    """Requests through a decode loop that sorts its rows (continuous batching); asserts that
+    the rows really were reordered and returns the requests' states."""
+    from blockdraft.decode import SequenceState
+
+    states = [SequenceState() for _ in reqs]
+    waiting, sorted_once = 0, False
+    with torch.inference_mode():
+        while waiting < len(reqs) or loop.active:
+            free = len(loop.free_slots)
+            batch = [(i, reqs[i], states[i]) for i in range(waiting, min(len(reqs), waiting + free))]
+            waiting += len(batch)
+            if batch:
+                loop.admit(batch)
+            before = list(loop.keys)
+            step = loop.step()
+            sorted_once |= loop.keys != before
+            for key, done in step.finished.items():
+                if done:
+                    loop.release(key)
+    assert sorted_once
+    return states
+
+
 def test_rows_sorted_by_length_with_grouped_attention_change_no_output(smol, chat_ids, hf_smol):
     """Rows reordered every other step (caches and bookkeeping moved along) and attention split
     into groups of two rows, each reading only the slots its longest row needs: every request
     still gets its own greedy answer, for plain decoding and for prompt lookup."""
-    from blockdraft.decode import DecodeLoop, SequenceState
+    from blockdraft.decode import DecodeLoop
     from blockdraft.proposers import LookupProposer
 
     reqs = [Request(chat_ids[i], max_new_tokens=3 + 4 * i, stop_token_ids=(2,)) for i in range(7)]
     for proposer, block in ((Proposer(), 1), (LookupProposer(), 4)):
-        loop = DecodeLoop(smol, proposer, block, 4, 200, sort_every=2, group_rows=2)
-        states = [SequenceState() for _ in reqs]
-        waiting, sorted_once = 0, False
-        with torch.inference_mode():
-            while waiting < len(reqs) or loop.active:
-                free = len(loop.free_slots)
-                batch = [(i, reqs[i], states[i]) for i in range(waiting, min(len(reqs), waiting + free))]
-                waiting += len(batch)
-                if batch:
-                    loop.admit(batch)
-                before = list(loop.keys)
-                step = loop.step()
-                sorted_once |= loop.keys != before
-                for key, done in step.finished.items():
-                    if done:
-                        loop.release(key)
-        assert sorted_once  # the rows really were reordered
+        states = run_sorting(DecodeLoop(smol, proposer, block, 4, 200, sort_every=2, group_rows=2), reqs)
         for i, req in enumerate(reqs):
             alone = run(smol, Proposer(), [req.prompt_ids], 1, max_new=req.max_new_tokens)[0]
             assert_same_or_tie(hf_smol, req.prompt_ids, states[i].output_ids, alone.output_ids,

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockdraft.decode import DecodeLoop, Request, SequenceState, generate_steps
+from blockdraft.decode import DecodeLoop, Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
 from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
 
-from .test_decode import RiggedProposer
+from .test_decode import RiggedProposer, run_sorting
 
 VOCAB = 256
 N_NEW = 20
@@ -198,24 +198,8 @@ def test_rows_sorted_by_length_move_their_states_along(hybrid, prompts, hf_greed
     """Rows reordered every other step (`HybridCache.permute`), attention in groups of rows."""
     target = hybrid[1]
     loop = DecodeLoop(target, LookupProposer(), 4, 3, 128, sort_every=2, group_rows=2)
-    states = [SequenceState() for _ in prompts]
     max_new = [20, 6, 14, 9]
-    waiting, sorted_once = 0, False
-    with torch.inference_mode():
-        while waiting < len(prompts) or loop.active:
-            free = len(loop.free_slots)
-            batch = [(i, Request(prompts[i], max_new_tokens=max_new[i]), states[i])
-                     for i in range(waiting, min(len(prompts), waiting + free))]
-            waiting += len(batch)
-            if batch:
-                loop.admit(batch)
-            before = list(loop.keys)
-            step = loop.step()
-            sorted_once |= loop.keys != before
-            for key, done in step.finished.items():
-                if done:
-                    loop.release(key)
-    assert sorted_once
+    states = run_sorting(loop, [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new)])
     for out, ref, m in zip(states, hf_greedy, max_new):
         assert out.output_ids == ref[:m]
 
