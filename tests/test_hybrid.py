@@ -145,6 +145,34 @@ def test_logits_through_the_cache_with_rollbacks_match_hf(hybrid):
     torch.testing.assert_close(f[0], hidden[2][0], **TOL)
 
 
+def test_bfloat16_weights_are_as_close_to_float32_as_hf_bfloat16(hybrid, tmp_path):
+    """bf16 (the CPU allows it for a model this small): our logits through the cache (a prefill,
+    then tokens one at a time) are no further from the fp32 reference than HF's own bf16
+    forward is."""
+    import copy
+
+    hf, _ = hybrid
+    hf.save_pretrained(str(tmp_path))
+    ours = load_target(tmp_path, dtype=torch.bfloat16)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    seq = torch.randint(1, VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(seq).logits[0]
+        theirs = hf16(seq).logits[0].float()
+        cache = ours.new_cache(1, 64)
+        h, _ = ours(seq[:, :40], torch.arange(40)[None], cache)
+        ours.commit(cache, slice(None), torch.tensor([40]))
+        rows = [ours.logits(h[0]).float()]
+        for p in range(40, 48):
+            h, _ = ours(seq[:, p:p + 1], torch.tensor([[p]]), cache)
+            ours.commit(cache, slice(None), torch.tensor([p + 1]))
+            rows.append(ours.logits(h[0]).float())
+    mine = torch.cat(rows)
+    assert mine.dtype == torch.float32 and h.dtype == torch.bfloat16
+    err, hf_err = (mine - ref).abs().max(), (theirs - ref).abs().max()
+    assert err <= 2 * hf_err, (float(err), float(hf_err))
+
+
 def test_greedy_ar_equals_hf_generate_for_a_batch_of_different_lengths(hybrid, prompts, hf_greedy):
     states, _ = run(hybrid[1], Proposer(), prompts, 1)
     for p, out, ref in zip(prompts, states, hf_greedy):
