@@ -137,7 +137,7 @@ def cmd_data_regenerate(args) -> int:
         tokenizer = load_tokenizer(folder)
         stops = sorted(set(eos_token_ids(folder)) | {tokenizer.eos_token_id} - {None})
         source = RemoteTarget(args.server, tokenizer, stops, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                              model=args.model, concurrency=args.concurrency)
+                              model=args.model, concurrency=args.concurrency, ask_token_ids=not args.text_only)
     else:
         from .engine import Engine
 
@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--api-key", help="--server: bearer token (default: $OPENAI_API_KEY)")
     r.add_argument("--model", help="--server: the model name to ask for (default: the server's first)")
     r.add_argument("--concurrency", type=int, default=64, help="--server: requests in flight")
+    r.add_argument("--text-only", action="store_true",
+                   help="--server: do not ask for token ids (servers that reject `return_token_ids`); the answers "
+                        "are tokenized here")
     r.set_defaults(func=cmd_data_regenerate)
 
     t = sub.add_parser("train", help="train a DFlash drafter on regenerated data (torchrun for DDP)")

@@ -51,8 +51,7 @@ def test_server_answers_equal_in_process_ones_with_and_without_token_ids(engine,
         got = same_answers(tmp_path / "ids", in_process)
         assert all(s["method"].startswith("server:") for s in got)
         # a server that returns text only: the tokenizer here makes the ids (end-of-turn token appended)
-        text = remote(server.url, engine, concurrency=4)
-        text.ask_token_ids = False
+        text = remote(server.url, engine, concurrency=4, ask_token_ids=False)
         stats = regenerate(text, tmp_path / "text", mix=MIX, limit=10, max_new_tokens=N_NEW, concurrency=4,
                            progress=False)
     assert stats.written == 10 and stats.from_text == 10

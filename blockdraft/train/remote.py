@@ -49,11 +49,12 @@ class RemoteTarget:
     way as in-process; answers are tokenized here when the server returns text only)."""
 
     def __init__(self, url: str, tokenizer, stop_token_ids: list[int], *, api_key: str | None = None,
-                 model: str | None = None, timeout: float = 600.0, retries: int = 8, concurrency: int = 64):
+                 model: str | None = None, timeout: float = 600.0, retries: int = 8, concurrency: int = 64,
+                 ask_token_ids: bool = True):
         self.url = url.rstrip("/").removesuffix("/v1")
         self.tokenizer, self.end_of_turn = tokenizer, end_of_turn_id(tokenizer, stop_token_ids)
         self.retries = retries
-        self.ask_token_ids = True  # request `return_token_ids` (servers that reject it: set False)
+        self.ask_token_ids = ask_token_ids  # request `return_token_ids` (False: for servers that reject it)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
