@@ -132,7 +132,7 @@ class DraftConfig:
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
             theta, scaling = rope_settings(raw, 1e6)
-            known = set(_PUBLISHED_KEYS) | {"rope_parameters"}
+            known = set(PUBLISHED_KEYS) | {"rope_parameters"}
             return cls(
                 hidden_size=raw["hidden_size"],
                 num_hidden_layers=layers,
@@ -200,7 +200,7 @@ class DraftConfig:
         return out
 
 
-_PUBLISHED_KEYS = (
+PUBLISHED_KEYS = (
     "architectures attention_bias attention_dropout block_size dflash_config dtype head_dim hidden_act "
     "hidden_size initializer_range intermediate_size layer_types max_position_embeddings max_window_layers "
     "model_type num_attention_heads num_hidden_layers num_key_value_heads num_target_layers rms_norm_eps "

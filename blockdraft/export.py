@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import read_config, write_model_folder
-from .draft import _PUBLISHED_KEYS, DFlashDrafter
+from .draft import PUBLISHED_KEYS, DFlashDrafter
 from .errors import BlockdraftError
 
 # the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)
@@ -45,7 +45,7 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
                               "ablation) has no equivalent in the published format")
     drafter = DFlashDrafter.load(src)
     cfg = drafter.config
-    config = {k: v for k, v in cfg.to_dict().items() if k in _PUBLISHED_KEYS}
+    config = {k: v for k, v in cfg.to_dict().items() if k in PUBLISHED_KEYS}
     config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
