@@ -200,6 +200,7 @@ class DraftConfig:
         return out
 
 
+# the config.json keys of the authors' published drafters (`export` writes these and nothing else)
 PUBLISHED_KEYS = (
     "architectures attention_bias attention_dropout block_size dflash_config dtype head_dim hidden_act "
     "hidden_size initializer_range intermediate_size layer_types max_position_embeddings max_window_layers "
