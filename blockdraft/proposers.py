@@ -114,7 +114,7 @@ class DFlashProposer(Proposer):
         self.last: DraftTree | None = None  # the last proposal, for calibration
         self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last full draft
         self.cache = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, slice]] = []
+        self._pending: list[tuple] = []  # (features, positions, rows, valid) not yet in the cache
 
     def reset(self, batch, max_len):
         cache = self.cache
