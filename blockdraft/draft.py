@@ -244,11 +244,12 @@ class DraftCache(nn.Module):
     def slots(self, positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Where context at `positions` [B, C] is written. With a window, a position outside
         [valid - W, valid) (`valid` [B]: each row's committed length after this write) goes
-        to the scratch slot: it is junk or has already left the window."""
+        to the scratch slot: it is junk or has already left the window (`valid` None: every
+        entry is committed)."""
         if self.window is None:
             return positions
-        if valid is None:
-            raise ValueError("a bounded draft cache needs the rows' committed lengths")
+        if valid is None:  # every entry is committed
+            valid = positions.amax(1) + 1
         keep = (positions < valid[:, None]) & (positions >= valid[:, None] - self.window)
         return torch.where(keep, positions % self.window, self.window)
 

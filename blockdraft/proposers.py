@@ -35,7 +35,7 @@ class Proposer:
                 rows: slice = slice(None), valid: torch.Tensor | None = None) -> None:
         """Tokens [B, T] of batch rows `rows` just processed by the target at positions
         [B, T], with their captured features. Entries at or past a row's committed length
-        (`valid` [B], when the caller knows it) are junk; a later call rewrites those
+        (`valid` [B]; None: every entry is committed) are junk; a later call rewrites those
         positions."""
 
     def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int,

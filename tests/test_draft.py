@@ -266,8 +266,12 @@ def test_a_bounded_draft_context_equals_hiding_all_but_the_last_w_tokens():
     assert checked == 14 and int(anchors.min()) > 3 * w  # the ring wrapped several times
 
 
-def test_a_bounded_cache_needs_the_committed_lengths():
+def test_a_bounded_cache_without_committed_lengths_takes_every_entry_as_committed():
     model = tiny_drafter()
-    cache = model.new_cache(1, 32, window=4)
-    with pytest.raises(ValueError, match="committed lengths"):
-        model.write_context(cache, torch.zeros(1, 3, 128), torch.arange(3)[None])
+    ctx = torch.randn(1, 9, 128, generator=torch.Generator().manual_seed(2))
+    caches = [model.new_cache(1, 32, window=4) for _ in range(2)]
+    with torch.no_grad():
+        model.write_context(caches[0], ctx, torch.arange(9)[None])
+        model.write_context(caches[1], ctx, torch.arange(9)[None], valid=torch.tensor([9]))
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].pos, caches[1].pos)
+    assert sorted(caches[0].pos[0, :4].tolist()) == [5, 6, 7, 8]
