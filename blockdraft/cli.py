@@ -127,7 +127,7 @@ def cmd_data_regenerate(args) -> int:
 
     _interrupt_on_sigterm()
     if args.server:
-        from .models import eos_token_ids, load_tokenizer
+        from .models import load_tokenizer, stop_token_ids
         from .models.default import default_target_dir
         from .train.remote import RemoteTarget
 
@@ -135,8 +135,7 @@ def cmd_data_regenerate(args) -> int:
             raise BlockdraftError("--server: the server decodes; --method and --draft apply to in-process regeneration")
         folder = args.target or default_target_dir()
         tokenizer = load_tokenizer(folder)
-        stops = sorted(set(eos_token_ids(folder)) | {tokenizer.eos_token_id} - {None})
-        source = RemoteTarget(args.server, tokenizer, stops, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        source = RemoteTarget(args.server, tokenizer, stop_token_ids(folder, tokenizer), api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                               model=args.model, concurrency=args.concurrency, ask_token_ids=not args.text_only)
     else:
         from .engine import Engine
@@ -245,8 +244,6 @@ def cmd_export_drafter(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import os
-
     import uvicorn
 
     from .serve.app import Server, create_app

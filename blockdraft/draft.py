@@ -133,6 +133,7 @@ class DraftConfig:
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
             theta, scaling = rope_settings(raw, 1e6)
             known = set(PUBLISHED_KEYS) | {"rope_parameters"}
+            sliding = "sliding_attention" in (raw.get("layer_types") or ())
             return cls(
                 hidden_size=raw["hidden_size"],
                 num_hidden_layers=layers,
@@ -150,10 +151,8 @@ class DraftConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=raw.get("max_position_embeddings", 40960),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                layer_types=(list(raw["layer_types"]) if "sliding_attention" in (raw.get("layer_types") or ())
-                             else None),
-                sliding_window=(raw.get("sliding_window")
-                                if "sliding_attention" in (raw.get("layer_types") or ()) else None),
+                layer_types=list(raw["layer_types"]) if sliding else None,
+                sliding_window=raw.get("sliding_window") if sliding else None,
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except KeyError as exc:
@@ -234,12 +233,13 @@ class DraftCache(nn.Module):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("pos", torch.full((batch, slots), -1, dtype=torch.long, device=device),
-                             persistent=False)
+        # the position each ring slot holds (-1: none); an unbounded cache's slot is its position
+        self.pos = None if window is None else torch.full((batch, slots), -1, dtype=torch.long, device=device)
         self.batch, self.max_len, self.window = batch, max_len, window
 
     def clear(self):
-        self.pos.fill_(-1)
+        if self.pos is not None:
+            self.pos.fill_(-1)
 
     def slots(self, positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Where context at `positions` [B, C] is written. With a window, a position outside

@@ -24,7 +24,7 @@ from . import methods
 from .decode import Request, SequenceState, generate_steps
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
-from .models import Transformer, eos_token_ids, load_target, load_tokenizer
+from .models import Transformer, load_target, load_tokenizer, stop_token_ids
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
 from .models.packed import pack_linears
 from .proposers import Proposer
@@ -102,10 +102,7 @@ class Engine:
         self.draft_note = draft_note  # why there is no drafter, when there is none
         if drafter is not None:
             drafter.check_target(target.config)
-        eos = set(eos_token_ids(target_name)) if target_name else set()
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.stop_token_ids = sorted(eos)
+        self.stop_token_ids = stop_token_ids(target_name, tokenizer)
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,

@@ -75,6 +75,14 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     return model.eval()
 
 
+def stop_token_ids(folder: str | Path | None, tokenizer) -> list[int]:
+    """The ids that end an answer: the folder's end-of-sequence ids and the tokenizer's."""
+    ids = set(eos_token_ids(folder)) if folder else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def eos_token_ids(folder: str | Path) -> list[int]:
     """End-of-sequence ids declared by the model folder (generation_config.json, config.json)."""
     ids = set()
