@@ -244,6 +244,9 @@ def cmd_export_drafter(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import signal
+    import threading
+
     import uvicorn
 
     from .serve.app import Server, create_app
@@ -258,9 +261,33 @@ def cmd_serve(args) -> int:
     print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.shutdown_grace) + 1)
-    return 0
+    # The decode loop runs on the main thread (measured faster there) and HTTP on a second one;
+    # a signal asks uvicorn to drain (the lifespan then shuts the scheduler down), a second cuts it short.
+    http = uvicorn.Server(uvicorn.Config(create_app(server, start_scheduler=False), host=args.host, port=args.port,
+                                         log_level=args.log_level,
+                                         timeout_graceful_shutdown=int(args.shutdown_grace) + 1))
+    failed: list[BaseException] = []
+
+    def serve_http():
+        try:
+            http.run()
+        except BaseException as exc:  # e.g. SystemExit when the port is taken
+            failed.append(exc)
+        finally:  # whatever ended HTTP also ends the decode loop
+            server.scheduler.shutdown(grace=0)
+
+    def on_signal(_sig, _frame):
+        if http.should_exit:  # a second signal ends in-flight requests now (off the signal handler)
+            threading.Thread(target=server.scheduler.shutdown, kwargs={"grace": 0}, daemon=True).start()
+        http.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    thread = threading.Thread(target=serve_http, name="blockdraft-http", daemon=True)
+    thread.start()
+    server.scheduler.run()
+    thread.join()
+    return 1 if failed or not http.started else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Training experiments behind the README's recipe table and data-scaling curve.
 
     # recipe: short runs at EQUAL CPU TIME, one setting changed per run from the base recipe
-    .venv/bin/python scripts/experiments.py recipe --minutes 12
+    .venv/bin/python scripts/experiments.py recipe --minutes 10
     # data scaling: the chosen recipe on the first N training samples, same number of epochs
     .venv/bin/python scripts/experiments.py scaling --sizes 1000 2500 5000 10000 20000 --epochs 2
     .venv/bin/python scripts/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,15 +62,21 @@ def set_paths(results: str, runs: str):
     RESULTS, RUNS = Path(results), Path(runs)
 
 
-def seconds_per_step(cfg: TrainConfig, steps: int = 4) -> float:
-    """Time a few steps of this configuration (after one warm-up step)."""
+def seconds_per_step(cfg: TrainConfig, steps: int = 6) -> float:
+    """Median time of a few steps of this configuration (after two warm-up steps)."""
     probe = dataclasses.replace(cfg, out=str(Path(cfg.out) / "probe"), max_steps=1000, eval_every=10**9)
     trainer = Trainer(probe)
-    trainer.train_step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
         trainer.train_step()
-    return (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+# Settings that change what a step costs; runs that differ only elsewhere (learning rate,
+# schedule, clipping) share one timing and so get exactly the same number of steps.
+COST_KEYS = ("block_size", "num_layers", "num_anchors", "batch_size", "draft_vocab", "max_seq_len", "distill", "arch")
 
 
 def run(name: str, cfg: TrainConfig, extra: dict):
@@ -94,25 +101,39 @@ def common(args) -> dict:
                 eval_max_new_tokens=args.eval_max_new_tokens, save_every=25, log_every=5, seed=args.seed)
 
 
-def cmd_recipe(args):
-    names = args.runs or list(RECIPE)
+def plan_recipe(args, names: list[str]) -> dict[str, int]:
+    """Steps per run at equal CPU time. Every run not yet started is timed first, back to back,
+    so that all probes see the same machine state; the plan is saved and reused on rerun."""
+    path = RUNS / "recipe-plan.json"
+    plan = json.loads(path.read_text()) if path.is_file() else {}
+    timed = {}  # cost key -> seconds per step
     for name in names:
-        key = f"recipe/{name}"
-        if key in done_runs():
+        if name in plan or f"recipe/{name}" in done_runs():
             continue
-        out = str(RUNS / f"recipe-{name}")
         settings = {**BASE, **RECIPE[name]}
-        cfg = TrainConfig(out=out, **common(args), **settings)
-        state = Path(out) / "checkpoint" / "state.json"
-        if state.is_file():  # resuming: keep the step count the run was planned with
-            cfg.max_steps = json.loads(state.read_text())["config"]["max_steps"]
-            per_step = None
-        else:
-            per_step = seconds_per_step(cfg)
-            cfg.max_steps = max(10, int(args.minutes * 60 / per_step))
-        print(f"{key}: {cfg.max_steps} steps" + (f" ({per_step:.2f} s/step)" if per_step else ""), file=sys.stderr)
-        run(key, cfg, {"kind": "recipe", "change": RECIPE[name], "budget_minutes": args.minutes,
-                       "seconds_per_step": per_step})
+        key = json.dumps([settings.get(k) for k in COST_KEYS])
+        if key not in timed:
+            cfg = TrainConfig(out=str(RUNS / f"recipe-{name}"), **common(args), **settings)
+            timed[key] = seconds_per_step(cfg)
+        per_step = timed[key]
+        plan[name] = {"steps": max(10, int(args.minutes * 60 / per_step)), "seconds_per_step": round(per_step, 3),
+                      "minutes": args.minutes}
+        print(f"recipe/{name}: {per_step:.2f} s/step -> {plan[name]['steps']} steps", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan, indent=1))
+    return plan
+
+
+def cmd_recipe(args):
+    names = [n for n in (args.runs or list(RECIPE)) if f"recipe/{n}" not in done_runs()]
+    plan = plan_recipe(args, names)
+    for name in names:
+        out = str(RUNS / f"recipe-{name}")
+        cfg = TrainConfig(out=out, **common(args), **{**BASE, **RECIPE[name]})
+        cfg.max_steps = plan[name]["steps"]
+        print(f"recipe/{name}: {cfg.max_steps} steps", file=sys.stderr)
+        run(f"recipe/{name}", cfg, {"kind": "recipe", "change": RECIPE[name], "budget_minutes": plan[name]["minutes"],
+                                    "seconds_per_step": plan[name]["seconds_per_step"]})
 
 
 def cmd_scaling(args):
@@ -142,7 +163,7 @@ def main():
         p.add_argument("--results", default=str(RESULTS), help="JSON lines of finished runs (appended)")
         p.add_argument("--runs-dir", default=str(RUNS), help="checkpoints and metrics of the runs")
     r = sub.choices["recipe"]
-    r.add_argument("--minutes", type=float, default=12, help="CPU wall time per run")
+    r.add_argument("--minutes", type=float, default=10, help="CPU wall time per run")
     r.add_argument("--runs", nargs="*", choices=list(RECIPE), help="default: all")
     s = sub.choices["scaling"]
     s.add_argument("--sizes", type=int, nargs="+", default=[1000, 2500, 5000, 10000, 20000])

@@ -14,7 +14,8 @@ With --out DIR the answers are real training data, written (resumably) into DIR 
 
 `--server-compare N` answers the same N prompts in-process (one loop of --concurrency rows) and
 through `blockdraft serve --method ar --max-batch C` on loopback (`data regenerate --server`,
-C requests in flight), one after the other, and prints both rates and whether the answers agree.
+C requests in flight), one after the other for --rounds rounds in alternating order, and prints
+the rates, their ratio per round, and whether the answers agree.
 """
 
 import argparse
@@ -44,6 +45,7 @@ def main():
     ap.add_argument("--offset", type=int, default=0, help="--compare-sorting: skip this many prompts of the mix first")
     ap.add_argument("--server-compare", type=int, metavar="PROMPTS",
                     help="instead: in-process vs through a loopback `blockdraft serve` on the same PROMPTS prompts")
+    ap.add_argument("--rounds", type=int, default=2, help="--server-compare: rounds, in alternating order")
     ap.add_argument("--concurrency", type=int, default=64, help="--server-compare: rows / requests in flight")
     ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
@@ -117,25 +119,35 @@ def server_compare(args):
     engine = Engine.load(use_draft=False)
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
                                     args.offset, args.offset + args.server_compare))
-    c, answers, rates = args.concurrency, {}, {}
+    c, answers, rates = args.concurrency, {}, {"in-process": [], "server": []}
     common = dict(max_new_tokens=args.max_new_tokens, on_sample=lambda s: answers.setdefault(s["id"], []).append(
         s["answer_ids"]))
-    t0 = time.perf_counter()
-    stats = answer_prompts(engine, iter(prompts), batch_size=c, max_prompt_tokens=args.max_prompt_tokens, **common)
-    rates["in-process"] = stats.tokens / (time.perf_counter() - t0)
-    print(f"in-process, {c} rows: {stats.tokens} answer tokens, {rates['in-process']:.0f} tok/s", flush=True)
-    with ServerProcess("--method", "ar", "--max-batch", str(c), "--max-queue", str(2 * c), "--max-tokens",
-                       str(args.max_new_tokens), "--max-model-len", str(args.max_prompt_tokens + args.max_new_tokens),
-                       "--log-level", "error") as server:
-        remote = RemoteTarget(server.url, engine.tokenizer, engine.stop_token_ids, concurrency=c)
+
+    def in_process():
         t0 = time.perf_counter()
-        stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, temperature=0.0, top_p=1.0,
-                                      stats=RegenStats(), **common)
-        rates["server"] = stats.tokens / (time.perf_counter() - t0)
-    print(f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, {rates['server']:.0f} tok/s",
-          flush=True)
-    same = sum(len(a) == 2 and a[0] == a[1] for a in answers.values())
-    print(f"server / in-process: {rates['server'] / rates['in-process']:.2f}; identical answers: {same} of "
+        stats = answer_prompts(engine, iter(prompts), batch_size=c, max_prompt_tokens=args.max_prompt_tokens, **common)
+        rates["in-process"].append(stats.tokens / (time.perf_counter() - t0))
+        print(f"in-process, {c} rows: {stats.tokens} answer tokens, {rates['in-process'][-1]:.0f} tok/s", flush=True)
+
+    def server():
+        with ServerProcess("--method", "ar", "--max-batch", str(c), "--max-queue", str(2 * c), "--max-tokens",
+                           str(args.max_new_tokens), "--max-model-len",
+                           str(args.max_prompt_tokens + args.max_new_tokens), "--log-level", "error") as proc:
+            remote = RemoteTarget(proc.url, engine.tokenizer, engine.stop_token_ids, concurrency=c)
+            t0 = time.perf_counter()
+            stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, temperature=0.0, top_p=1.0,
+                                          stats=RegenStats(), **common)
+            rates["server"].append(stats.tokens / (time.perf_counter() - t0))
+        print(f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, "
+              f"{rates['server'][-1]:.0f} tok/s", flush=True)
+
+    for r in range(args.rounds):  # the order alternates between rounds
+        for fn in ((server, in_process) if r % 2 else (in_process, server)):
+            fn()
+    ratios = [s / i for s, i in zip(rates["server"], rates["in-process"])]
+    same = sum(len(a) == 2 * args.rounds and all(x == a[0] for x in a) for a in answers.values())
+    print(f"server / in-process by round: {', '.join(f'{x:.2f}' for x in ratios)}; totals: "
+          f"{sum(rates['server']) / sum(rates['in-process']):.2f}; identical answers: {same} of "
           f"{len(prompts)} ({torch.get_num_threads()} threads, {cpu_name()})")
 
 

@@ -47,11 +47,11 @@ def main():
     args = ap.parse_args()
     engine = Engine.load(use_draft=False)
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, None, 256), 200, 200 + args.prompts))
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=args.rows)
         print(f"offline loop: {stats.tokens / (time.perf_counter() - t0):.0f} answer tok/s", flush=True)
-        for thread in (False, True):
+        for thread in ((True, False) if r % 2 else (False, True)):
             rate = scheduler_rate(engine, prompts, args.max_new_tokens, args.rows, thread)
             print(f"scheduler on the {'second' if thread else 'main'} thread: {rate:.0f} answer tok/s", flush=True)
 

@@ -270,6 +270,41 @@ def test_queue_bound_disconnect_and_graceful_shutdown():
         s.stop()
 
 
+def test_second_signal_and_taken_port():
+    """The decode loop runs on the server's main thread: a second SIGTERM ends in-flight
+    requests at once (finish_reason "abort", exit 0, no traceback); a server whose port is
+    taken exits 1 instead of hanging with its loop waiting for work."""
+    import subprocess
+    import sys
+
+    s = ServerProcess("--method", "ar", "--max-tokens", "1500", "--shutdown-grace", "120")
+    try:
+        taken = subprocess.run([sys.executable, "-m", "blockdraft", "serve", "--method", "ar", "--port", str(s.port)],
+                               capture_output=True, timeout=300)
+        assert taken.returncode == 1 and b"address already in use" in taken.stderr, taken.stderr[-500:]
+        holder = {}
+        body = {"prompt": "Count from 1 to 1000, separated by commas: 1, 2, 3,", "max_tokens": 1500,
+                "temperature": 0}
+        w = threading.Thread(target=lambda: holder.setdefault("r", httpx.post(s.url + "/v1/completions", json=body,
+                                                                              timeout=300)))
+        w.start()
+        time.sleep(2.0)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0
+        assert time.time() - t0 < 30, "the second signal waited for the grace period"
+        w.join()
+        r = holder["r"]
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text[:300]
+        assert 0 < r.json()["usage"]["completion_tokens"] < 1500
+        log = s.proc.stdout.read().decode(errors="replace")
+        assert "Traceback" not in log, log
+    finally:
+        s.stop()
+
+
 def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, random_drafter, chat_ids):
     """In process: requests joining a running batch at different steps, with a drafter
     rigged to propose the true continuation (whole blocks accepted) - same tokens."""

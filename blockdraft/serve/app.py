@@ -236,10 +236,13 @@ class Server:
         return "abort" if h.cancelled and not h.state.finished else (h.state.finish_reason or "length")
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
+    """The FastAPI app. `start_scheduler=False`: the caller steps the scheduler itself
+    (`Scheduler.run` on the main thread, as `blockdraft serve` does)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        server.scheduler.start()
+        if start_scheduler:
+            server.scheduler.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown, server.shutdown_grace)
 
@@ -266,7 +269,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = server.scheduler.thread.is_alive() and server.scheduler.accepting
+        ok = server.scheduler.alive and server.scheduler.accepting
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -156,14 +156,29 @@ class Scheduler:
         self.cond = threading.Condition()
         self.accepting = True
         self.stopping = False
+        self.stopped = threading.Event()  # set when the loop has returned
         self.ids = itertools.count()
-        self.thread = threading.Thread(target=self._run, name="blockdraft-scheduler", daemon=True)
+        self.thread: threading.Thread | None = None  # the thread that steps the loop, once started
         self.last_block = self.loop.block_size
 
     # ---- public, any thread ----------------------------------------------------------
 
     def start(self):
+        """Step the loop on a thread of its own (for an app that runs in the main thread)."""
+        self.thread = threading.Thread(target=self._run, name="blockdraft-scheduler", daemon=True)
         self.thread.start()
+
+    def run(self):
+        """Step the loop on the calling thread until `shutdown`. `blockdraft serve` calls this from
+        the main thread and runs the HTTP server on another: torch's decode steps measured
+        slower on a second thread (scripts/scheduler_thread.py)."""
+        self.thread = threading.current_thread()
+        self._run()
+
+    @property
+    def alive(self) -> bool:
+        """True while some thread steps the loop."""
+        return self.thread is not None and self.thread.is_alive() and not self.stopped.is_set()
 
     def submit(self, row, on_event: Callable[[Handle], None]) -> Handle:
         req = row.request
@@ -212,8 +227,8 @@ class Scheduler:
                 h.cancelled = True
             self.stopping = True
             self.cond.notify()
-        if self.thread.is_alive():
-            self.thread.join(timeout=10)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.stopped.wait(timeout=10)  # (the thread may be the main one, which lives on: no join)
 
     # ---- the scheduler thread --------------------------------------------------------
 
@@ -226,6 +241,8 @@ class Scheduler:
                     for h in list(self.waiting) + list(self.running.values()):
                         self._finish(h)
                     self.waiting.clear()
+                    self.running.clear()
+                    self.stopped.set()
                     return
                 for h in [h for h in self.running.values() if h.cancelled]:
                     self.loop.release(h.id)
