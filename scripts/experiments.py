@@ -5,6 +5,8 @@
     # data scaling: the chosen recipe on the first N training samples, same number of epochs
     .venv/bin/python scripts/experiments.py scaling --sizes 1000 2500 5000 10000 20000 --epochs 2
     .venv/bin/python scripts/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
+    # the same curve at 1 epoch from one pass: each size is a WSD decay branch off the full run
+    .venv/bin/python scripts/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
 
 Equal compute: each recipe run first times a few steps of its own configuration, then gets
 as many steps as fit in --minutes (a run with soft labels or more layers gets fewer steps).
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import shutil
 import statistics
 import sys
 import time
@@ -85,11 +89,11 @@ def run(name: str, cfg: TrainConfig, extra: dict):
     trainer.run()
     records = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if l]
     last = records[-1]
-    result = {"run": name, **extra, "steps": last["step"], "tokens_seen": last["tokens_seen"],
+    result = {"run": name, "steps": last["step"], "tokens_seen": last["tokens_seen"],
               "minutes": round(last["elapsed"] / 60, 2), "loss": last["loss"], "tau": last.get("tau"),
               "train_samples": len(trainer.samples), "eval_prompts": cfg.eval_prompts,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), **extra}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -141,6 +145,8 @@ def cmd_scaling(args):
     if args.arch == "eagle3":
         settings.update(arch="eagle3", block_size=8, init="target-last")
     settings.update(json.loads(args.settings) if args.settings else {})
+    if args.wsd_branches:
+        return scaling_branches(args, settings)
     for n in args.sizes:
         key = f"scaling/{args.arch}/{n}"
         if key in done_runs():
@@ -149,6 +155,46 @@ def cmd_scaling(args):
         cfg = TrainConfig(out=str(RUNS / f"scaling-{args.arch}-{n}"), max_steps=steps, limit_samples=n,
                           **common(args), **settings)
         run(key, cfg, {"kind": "scaling", "arch": args.arch, "samples": n, "epochs": args.epochs})
+
+
+def scaling_branches(args, settings: dict):
+    """The data-scaling curve from ONE pass over the training set (1 epoch), warmup-stable-decay.
+    The size-N point is the run that trains on the first N samples of the pass: it shares the
+    main run's steps up to where its own decay starts (same fixed warmup, same constant
+    learning rate, same batches), so it branches off a copy of the main run's checkpoint there
+    and decays over its last `decay_frac` of N / batch_size steps, on its own samples N-20%..N.
+    Each point is thus exactly a separate 1-epoch WSD run on N distinct samples; the largest
+    point is the main run itself. Cost: one pass plus the decays (~1.2x the largest run alone)."""
+    settings = {**settings, "schedule": "wsd", "warmup_steps": args.warmup_steps}
+    main_out = RUNS / f"scaling-{args.arch}-wsd-main"
+    main = None
+    batch = settings["batch_size"]
+    for n in sorted(args.sizes):
+        if main is None:
+            probe = TrainConfig(out=str(main_out), max_steps=1, **common(args), **settings)
+            main = Trainer(dataclasses.replace(probe, max_steps=math.ceil(len(Trainer(probe).samples) / batch)),
+                           resume=True)
+        total = len(main.samples)
+        n = min(n, total)
+        key = f"scaling-wsd/{args.arch}/{n}"
+        if key in done_runs():
+            continue
+        extra = {"kind": "scaling", "arch": args.arch, "samples": n, "epochs": 1, "schedule": "wsd-branch"}
+        if n == total:
+            run(key, main.cfg, extra)
+            break
+        steps = math.ceil(n / batch)
+        start = steps - max(1, int(settings.get("decay_frac", 0.2) * steps))
+        out = RUNS / f"scaling-{args.arch}-wsd-{n}"
+        if not (out / "checkpoint").is_dir():
+            if main.step > start:
+                raise SystemExit(f"{key}: the main run is at step {main.step}, past this branch's start {start}; "
+                                 "drop this size or retrain the main run")
+            main.run(until=start)
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(main_out / "checkpoint", out / "checkpoint")
+            shutil.copy(main_out / "metrics.jsonl", out / "metrics.jsonl")
+        run(key, dataclasses.replace(main.cfg, out=str(out), max_steps=steps), extra)
 
 
 def main():
@@ -169,6 +215,9 @@ def main():
     s.add_argument("--sizes", type=int, nargs="+", default=[1000, 2500, 5000, 10000, 20000])
     s.add_argument("--epochs", type=float, default=2)
     s.add_argument("--arch", choices=["dflash", "eagle3"], default="dflash")
+    s.add_argument("--wsd-branches", action="store_true",
+                   help="one 1-epoch WSD pass; each size decays off it (--epochs ignored)")
+    s.add_argument("--warmup-steps", type=int, default=25, help="--wsd-branches: fixed warmup shared by all sizes")
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)

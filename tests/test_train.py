@@ -416,3 +416,26 @@ def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp
     trainer = Trainer(tiny_config(root, tmp_path / "check", sliding_window=6, full_layers=[1]))
     assert trainer.drafter.config.window(0) == 6 and trainer.drafter.config.window(1) is None
     check_forward_consistency(trainer)
+
+
+def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp_path):
+    """The data-scaling curve's branches (scripts/experiments.py scaling --wsd-branches): a run
+    stopped early with `run(until=)` and continued from a copy of its checkpoint with a shorter
+    schedule ends bit for bit where a separate run of that length ends (fixed warmup steps)."""
+    import shutil
+
+    root = tiny_corpus[0]
+    kw = dict(schedule="wsd", warmup_steps=2, warmup_frac=0.25, decay_frac=0.25, save_every=1000)
+    separate = Trainer(tiny_config(root, tmp_path / "separate", max_steps=8, **kw))
+    separate.run()
+    main = Trainer(tiny_config(root, tmp_path / "main", max_steps=20, **kw))
+    main.run(until=6)  # the 8-step run decays over its last 2 steps
+    assert main.step == 6 and not (tmp_path / "main" / "drafter").exists()
+    shutil.copytree(tmp_path / "main" / "checkpoint", tmp_path / "branch" / "checkpoint")
+    branch = Trainer(tiny_config(root, tmp_path / "branch", max_steps=8, **kw), resume=True)
+    assert branch.step == 6
+    branch.run()
+    a, b = drafter_weights(tmp_path / "separate" / "drafter"), drafter_weights(tmp_path / "branch" / "drafter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    main.run()  # the main run goes on from where it stopped
+    assert main.step == 20 and (tmp_path / "main" / "drafter").is_dir()

@@ -60,6 +60,8 @@ class TrainConfig:
     lr: float = 6e-4
     schedule: str = "cosine"  # cosine (to min_lr) | wsd (warmup, constant, linear decay over decay_frac)
     warmup_frac: float = 0.04
+    warmup_steps: int = 0  # >0: this many warmup steps, whatever max_steps (runs of several lengths then
+    #                        share their first steps exactly, e.g. WSD branches)
     decay_frac: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
     min_lr_frac: float = 0.0
     weight_decay: float = 0.0
@@ -81,7 +83,7 @@ class TrainConfig:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    warmup = max(1, int(cfg.warmup_frac * cfg.max_steps))
+    warmup = cfg.warmup_steps or max(1, int(cfg.warmup_frac * cfg.max_steps))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     floor = cfg.lr * cfg.min_lr_frac
@@ -478,8 +480,11 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def run(self):
+    def run(self, until: int | None = None):
+        """Train to cfg.max_steps (the schedule's length), or stop early at step `until` with a
+        checkpoint there (e.g. where a WSD decay branch leaves the run)."""
         cfg = self.cfg
+        stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.drafter.parameters())
             print(f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
@@ -491,7 +496,7 @@ class Trainer:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
-        while self.step < cfg.max_steps:
+        while self.step < stop:
             record = self.train_step()
             self.tokens_seen += record["tokens"] * self.world
             record["tokens_seen"] = self.tokens_seen
@@ -505,11 +510,14 @@ class Trainer:
                     record["tau"] = self.evaluate_tau()
                     bar.write(f"step {self.step}: loss {record['loss']:.3f}, tau {record['tau']:.2f}")
                 self.log(record)
-            if self.step % cfg.save_every == 0 or self.step == cfg.max_steps:
+            if self.step % cfg.save_every == 0 or self.step == stop:
                 self.save_checkpoint()
                 if self.world > 1:
                     torch.distributed.barrier()
         bar.close()
+        self.elapsed, self._t0 = self.elapsed + time.perf_counter() - self._t0, time.perf_counter()
+        if self.step < cfg.max_steps:  # stopped at `until`: the checkpoint holds the state
+            return
         if self.world > 1:  # DDP must leave every process with the same weights
             flat = torch.cat([p.detach().flatten() for p in self.drafter.parameters()])
             sums = [torch.zeros(2) for _ in range(self.world)]
