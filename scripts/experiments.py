@@ -11,7 +11,10 @@
 Equal compute: each recipe run first times a few steps of its own configuration, then gets
 as many steps as fit in --minutes (a run with soft labels or more layers gets fewer steps).
 Every run ends with the held-out τ measured in the real decode loop (greedy, the same
---eval-prompts held-out prompts for every run). Runs are resumable (checkpoints under
+--eval-prompts held-out prompts for every run) and the teacher-forced acceptance on the
+first 128 held-out answers (`Trainer.evaluate_blocks`: the same τ over ~8K blocks, plus
+per-position cross-entropy and accuracy; `experiments.py blocks` adds it to runs recorded
+without it). Runs are resumable (checkpoints under
 runs/experiments/), results are appended to data/train-logs/experiments.jsonl (committed),
 and a finished run is skipped when the script is rerun.
 """
@@ -35,6 +38,7 @@ from blockdraft.train.trainer import TrainConfig, Trainer
 DATA = "data/regen/smollm2-135m-instruct"
 RESULTS = Path("data/train-logs/experiments.jsonl")
 RUNS = Path("runs/experiments")
+BLOCK_SAMPLES = 128  # held-out answers for the teacher-forced acceptance (Trainer.evaluate_blocks)
 # The base recipe: the shipped drafter's settings.
 BASE = dict(block_size=16, num_layers=3, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
             init="target-last-fc", max_seq_len=512)
@@ -89,11 +93,12 @@ def run(name: str, cfg: TrainConfig, extra: dict):
     trainer.run()
     records = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if l]
     last = records[-1]
+    blocks = trainer.evaluate_blocks(BLOCK_SAMPLES)
     result = {"run": name, "steps": last["step"], "tokens_seen": last["tokens_seen"],
               "minutes": round(last["elapsed"] / 60, 2), "loss": last["loss"], "tau": last.get("tau"),
               "train_samples": len(trainer.samples), "eval_prompts": cfg.eval_prompts,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
-              "threads": torch.get_num_threads(), **extra}
+              "threads": torch.get_num_threads(), **blocks, **extra}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -197,10 +202,25 @@ def scaling_branches(args, settings: dict):
         run(key, dataclasses.replace(main.cfg, out=str(out), max_steps=steps), extra)
 
 
+def cmd_blocks(args):
+    """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
+    lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    for rec in lines:
+        drafter = Path(rec["config"]["out"]) / "drafter"
+        if "tau_blocks" in rec or not drafter.is_dir():
+            continue
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        trainer = Trainer(TrainConfig(**{k: v for k, v in rec["config"].items() if k in fields}))
+        trainer._init_from_folder(drafter)
+        rec.update(trainer.evaluate_blocks(BLOCK_SAMPLES))
+        print(f"{rec['run']}: tau_blocks {rec['tau_blocks']}", file=sys.stderr)
+        RESULTS.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling"):
+    for name in ("recipe", "scaling", "blocks"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -221,7 +241,7 @@ def main():
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling}[args.cmd](args)
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "blocks": cmd_blocks}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,10 @@ def test_overfit_drafter_accepts_nearly_whole_blocks_in_the_real_decode_loop(tin
     lengths = [a for s in states for a in s.acceptance_lengths]
     tau = sum(lengths) / len(lengths)
     assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
+    # the teacher-forced estimate on the same answers agrees with the decode loop
+    blocks = trainer.evaluate_blocks(16)
+    assert blocks["blocks"] > 100 and abs(blocks["tau_blocks"] - tau) < 0.3, (blocks, tau)
+    assert blocks["val_acc"][0] > 0.9
 
 
 def train_cli(root, out, *extra, nproc=1):
@@ -416,6 +420,20 @@ def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp
     trainer = Trainer(tiny_config(root, tmp_path / "check", sliding_window=6, full_layers=[1]))
     assert trainer.drafter.config.window(0) == 6 and trainer.drafter.config.window(1) is None
     check_forward_consistency(trainer)
+
+
+def test_teacher_forced_acceptance(tiny_corpus, tmp_path):
+    """accepted_lengths counts the verify step's tokens exactly; an untrained drafter's
+    teacher-forced τ is about 1 and its statistics cover every labelled draft position."""
+    from blockdraft.train.trainer import accepted_lengths
+
+    right = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    assert accepted_lengths(right).tolist() == [4, 1, 2, 3, 1]
+    trainer = Trainer(tiny_config(tiny_corpus[0], tmp_path / "run"))
+    out = trainer.evaluate_blocks(8)
+    assert 1.0 <= out["tau_blocks"] < 1.3 and out["blocks"] > 50
+    assert len(out["val_acc"]) == len(out["val_ce"]) == 3 and min(out["val_ce"]) > 0
+    assert trainer.evaluate_blocks(8) == out  # the same blocks every time
 
 
 def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp_path):
