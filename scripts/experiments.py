@@ -7,6 +7,8 @@
     .venv/bin/python scripts/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
     # the same curve at 1 epoch from one pass: each size is a WSD decay branch off the full run
     .venv/bin/python scripts/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
+    # the README's tables (and the curve) from data/train-logs/experiments.jsonl
+    .venv/bin/python scripts/experiments.py table --plot docs/data_scaling.png
 
 Equal compute: each recipe run first times a few steps of its own configuration, then gets
 as many steps as fit in --minutes (a run with soft labels or more layers gets fewer steps).
@@ -217,10 +219,57 @@ def cmd_blocks(args):
         RESULTS.write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
+def cmd_table(args):
+    """The recipe table (markdown) and, with --plot, the data-scaling curve, from the results file."""
+    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    recipe = [r for r in rows if r.get("kind") == "recipe"]
+    if recipe:
+        print("| run | change | steps | s/step | τ decode | τ teacher-forced | acc@1 | acc@2 | acc@4 | CE@1 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in recipe:
+            change = ", ".join(f"{k} {v}" for k, v in r["change"].items()) or "(base)"
+            acc, ce = r.get("val_acc") or [None] * 4, r.get("val_ce") or [None]
+            cells = [r["run"].split("/", 1)[1], change, r["steps"], r.get("seconds_per_step"), _num(r["tau"], 3),
+                     _num(r.get("tau_blocks"), 3), _num(acc[0], 3), _num(acc[1], 3), _num(acc[3], 3), _num(ce[0], 2)]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
+    scaling = [r for r in rows if r.get("kind") == "scaling"]
+    if scaling:
+        print("\n| arch | schedule | distinct samples | epochs | steps | τ decode | τ teacher-forced | acc@1 |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in sorted(scaling, key=lambda r: (r["arch"], r.get("schedule", ""), r["samples"])):
+            print(f"| {r['arch']} | {r.get('schedule', 'separate')} | {r['samples']} | {r['epochs']} | {r['steps']} | "
+                  f"{_num(r['tau'], 3)} | {_num(r.get('tau_blocks'), 3)} | {_num((r.get('val_acc') or [None])[0], 3)} |")
+    if args.plot and scaling:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        groups = {}
+        for r in scaling:
+            groups.setdefault(f"{r['arch']} ({r.get('schedule', 'separate')}, {r['epochs']} epoch)", []).append(r)
+        for label, rs in sorted(groups.items()):
+            rs.sort(key=lambda r: r["samples"])
+            ax.plot([r["samples"] for r in rs], [r.get("tau_blocks") or r["tau"] for r in rs], "o-", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("distinct training samples")
+        ax.set_ylabel("τ (teacher-forced, held-out answers)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"\nplot: {args.plot}", file=sys.stderr)
+
+
+def _num(x, digits):
+    return "" if x is None else f"{x:.{digits}f}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "blocks"):
+    for name in ("recipe", "scaling", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -231,6 +280,7 @@ def main():
     r = sub.choices["recipe"]
     r.add_argument("--minutes", type=float, default=10, help="CPU wall time per run")
     r.add_argument("--runs", nargs="*", choices=list(RECIPE), help="default: all")
+    sub.choices["table"].add_argument("--plot", help="write the data-scaling curve to this PNG")
     s = sub.choices["scaling"]
     s.add_argument("--sizes", type=int, nargs="+", default=[1000, 2500, 5000, 10000, 20000])
     s.add_argument("--epochs", type=float, default=2)
@@ -241,7 +291,7 @@ def main():
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "blocks": cmd_blocks}[args.cmd](args)
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "blocks": cmd_blocks, "table": cmd_table}[args.cmd](args)
 
 
 if __name__ == "__main__":

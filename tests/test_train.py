@@ -457,3 +457,22 @@ def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     main.run()  # the main run goes on from where it stopped
     assert main.step == 20 and (tmp_path / "main" / "drafter").is_dir()
+
+
+def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
+    """weighted_loss keeps a small head's logits for backward and recomputes a large one's:
+    loss, gradient and counts are bit-identical either way (soft labels included)."""
+    import blockdraft.train.trainer as trainer_mod
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v, b = 3000, 64, 500, 8
+    head, teacher, h0 = torch.randn(v, h, generator=g), torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    y, k, w = torch.randint(0, v, (n,), generator=g), torch.randint(0, b, (n,), generator=g), torch.rand(n, generator=g)
+    results = []
+    for threshold in (0, 1 << 40):
+        monkeypatch.setattr(trainer_mod, "REMAT_LOGITS_ABOVE", threshold)
+        hidden = h0.clone().requires_grad_()
+        loss, correct, _ = trainer_mod.weighted_loss(hidden, head, y, w, k, b, 1024, teacher=teacher, distill=0.5)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad, correct))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
