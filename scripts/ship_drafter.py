@@ -3,15 +3,16 @@
     python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
 
 Copies RUN_DIR/drafter into blockdraft/shipped/smollm2-135m-instruct-dflash/ (fp16), measures τ with
-`blockdraft bench` on HumanEval and MT-Bench first turns (greedy, the drafter's block size),
-and writes the model card README.md from the run's own records. With --bench DIR, τ is read
-from an existing bench run (DIR/humaneval/results.json and DIR/mtbench/results.json, method
-`dflash`) instead of being measured again.
+`blockdraft bench` on HumanEval, MT-Bench first turns and GSM8K (greedy, the drafter's block size),
+and writes the model card README.md from the run's own records (data sources and samples,
+epochs, schedule, CPU hours). With --bench DIR, τ is read from an existing bench run
+(DIR/DATASET/results.json, methods `dflash*`) instead of being measured again.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -24,6 +25,19 @@ from blockdraft.draft import DFlashDrafter
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
+DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench (first turns)", "gsm8k": "GSM8K"}
+
+
+def data_summary(folder: str) -> tuple[collections.Counter, int, int]:
+    """Samples per prompt source (the id's prefix), and the training / held-out counts."""
+    from blockdraft.train.data import iter_samples
+
+    sources, train, valid = collections.Counter(), 0, 0
+    for sample in iter_samples(folder):
+        sources[sample["id"].split("/", 1)[0]] += 1
+        valid += sample.get("split") == "valid"
+        train += sample.get("split") != "valid"
+    return sources, train, valid
 
 
 def ship_eagle(run: Path):
@@ -77,9 +91,12 @@ def main():
     drafter.save(DEST, dtype=torch.float16)
 
     taus, samples = {}, {}
-    for dataset in ("humaneval", "mtbench"):
+    for dataset in DATASETS:
         if args.bench:
-            report = json.loads((Path(args.bench) / dataset / "results.json").read_text())
+            path = Path(args.bench) / dataset / "results.json"
+            if not path.is_file():
+                continue
+            report = json.loads(path.read_text())
         else:
             out = run / f"bench-{dataset}"
             subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
@@ -93,14 +110,19 @@ def main():
     curve = [(m["step"], m.get("tokens_seen"), m["tau"]) for m in metrics if "tau" in m]
     wall = max(m["elapsed"] for m in metrics)
     n_params = sum(p.numel() for p in drafter.parameters())
-    names = list(taus["humaneval"])
+    names = list(next(iter(taus.values())))
     tau_table = "\n".join([
         "| dataset | prompts | " + " | ".join(f"τ at block {block_of(n, cfg)}" for n in names) + " |",
         "|---|---|" + "---|" * len(names),
-        f"| HumanEval | first {samples['humaneval']} | " + " | ".join(f"{taus['humaneval'][n]:.2f}" for n in names) + " |",
-        f"| MT-Bench (first turns) | first {samples['mtbench']} | "
-        + " | ".join(f"{taus['mtbench'][n]:.2f}" for n in names) + " |",
+        *[f"| {DATASETS[d]} | first {samples[d]} | " + " | ".join(f"{taus[d][n]:.2f}" for n in names) + " |"
+          for d in taus],
     ])
+    sources, train, valid = data_summary(cfg["data"])
+    presented = state["step"] * cfg["batch_size"]  # sequences trained on (a WSD branch: its first ones)
+    distinct = min(train, cfg.get("limit_samples") or train, presented)
+    epochs = presented / distinct
+    vocab = f"{cfg['draft_vocab']} (most frequent answer tokens)" if cfg.get("draft_vocab") else "full"
+    warmup = f"{cfg['warmup_steps']} steps" if cfg.get("warmup_steps") else f"{cfg['warmup_frac']:.0%}"
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct
 
 Trained by `blockdraft train` (the open recipe in this repository) on this project's CPU
@@ -109,18 +131,18 @@ Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding 
 
 | | |
 |---|---|
-| drafter | {cfg['num_layers']} Qwen3-style layers, {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {cfg.get('draft_vocab') or 'full'} (most frequent answer tokens), initialised from {cfg.get('init', 'random')} |
-| data | answers regenerated greedily by SmolLM2-135M-Instruct to ShareGPT first turns (`data/regen/smollm2-135m-instruct`, HumanEval / MT-Bench prompts excluded) |
-| training | {state['step']} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e3:.0f}K tokens seen), {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {cfg['warmup_frac']:.0%}, cosine |
-| wall time | {wall / 60:.0f} min on {cpu_name()} (fp32, torch {torch.__version__}; `scripts/train_shipped.sh`) |
+| drafter | {cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {vocab}, initialised from {cfg.get('init', 'random')} |
+| data | answers regenerated greedily by SmolLM2-135M-Instruct (`{cfg['data']}`, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
+| training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
+| CPU time | {wall / 3600:.1f} hours on {cpu_name()} ({torch.get_num_threads()} threads, fp32, torch {torch.__version__}) |
 
 ## Measured acceptance length τ (greedy, up to {args.max_new_tokens} new tokens)
 
 {tau_table}
 
-Reproduce: `blockdraft bench --dataset humaneval --first-turn-only --methods {",".join(names)} --max-samples {samples['humaneval']} --max-new-tokens {args.max_new_tokens}` (and `--dataset mtbench`).
+Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples {next(iter(samples.values()))} --max-new-tokens {args.max_new_tokens}`.
 
-## τ on held-out ShareGPT prompts during training (real decode loop, 64 new tokens)
+## τ on held-out prompts during training (real decode loop, {cfg['eval_max_new_tokens']} new tokens)
 
 | step | tokens seen | τ |
 |---|---|---|
