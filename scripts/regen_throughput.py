@@ -26,6 +26,7 @@ import time
 import torch
 
 from blockdraft import Engine
+from blockdraft.models.transformer import KVCache
 from blockdraft.bench.runner import cpu_name
 from blockdraft.train.data import answer_prompts, regenerate, training_prompts
 
@@ -47,6 +48,8 @@ def main():
                     help="instead: in-process vs through a loopback `blockdraft serve` on the same PROMPTS prompts")
     ap.add_argument("--rounds", type=int, default=2, help="--server-compare: rounds, in alternating order")
     ap.add_argument("--concurrency", type=int, default=64, help="--server-compare: rows / requests in flight")
+    ap.add_argument("--copying-permute", action="store_true",
+                    help="--compare-sorting: sorted rows with the cache reordered by a full copy vs in place")
     ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
                          "length + grouped attention and without, twice each, interleaved, and print the wall times")
@@ -100,13 +103,22 @@ def compare_sorting(args):
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
                                     args.offset, args.offset + args.compare_sorting))
     batch = max(args.batches)
-    for sort_every in (0, 32, 0, 32):
+    in_place = KVCache.permute
+
+    def copying(cache, order):  # the reorder as it was: a fresh copy of the whole cache
+        cache.k, cache.v = cache.k[:, order], cache.v[:, order]
+
+    runs = [(0, in_place), (32, in_place)] if not args.copying_permute else [(32, copying), (32, in_place)]
+    for sort_every, permute in runs * 2:
+        KVCache.permute = permute
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
                                max_prompt_tokens=args.max_prompt_tokens, sort_every=sort_every)
         seconds = time.perf_counter() - t0
-        print(f"rows sorted every {sort_every or '-'} steps: {stats.tokens} answer + {stats.prompt_tokens} prompt "
-              f"tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
+        how = "" if not args.copying_permute else (" (cache copied)" if permute is copying else " (in place)")
+        print(f"rows sorted every {sort_every or '-'} steps{how}: {stats.tokens} answer + {stats.prompt_tokens} "
+              f"prompt tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
+    KVCache.permute = in_place
 
 
 def server_compare(args):

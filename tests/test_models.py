@@ -131,3 +131,19 @@ def test_cache_slots_apart_from_positions_with_an_explicit_mask(tmp_path):
         sib_mask[0, 0, 0, 50] = sib_mask[0, 0, 1, 51] = True
         hs, _ = ours(sib, torch.tensor([[12, 12]]), cache, slots=sib_slots, mask=sib_mask)
         torch.testing.assert_close(ours.logits(hs[:, :1]), ours.logits(ref[:, 12:13]), atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_row_permutation_equals_indexing():
+    """permute_rows_ (the caches' reorder, in place by cycles) gives exactly t[:, order] for
+    random permutations (fixed points, one long cycle, the identity) along any dimension."""
+    from blockdraft.models.layers import permute_rows_
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 9):
+        for order in (torch.randperm(n, generator=g), torch.arange(n), torch.roll(torch.arange(n), 1)):
+            for dim in (0, 1, 2):
+                shape = [3, 4, 2]
+                shape[dim] = n
+                t = torch.randn(*shape, generator=g)
+                expect = t.index_select(dim, order)
+                assert torch.equal(permute_rows_(t, order, dim), expect) and torch.equal(t, expect)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import BlockdraftError
 from .config import TargetConfig
-from .layers import RMSNorm, apply_rotary
+from .layers import RMSNorm, apply_rotary, permute_rows_
 from .transformer import FusedSwiGLU, KVCache, Transformer, attend_groups, fuse_hf_weights
 
 
@@ -97,7 +97,8 @@ class HybridCache:
     def permute(self, order: torch.Tensor):
         """Reorder the rows: row i becomes old row order[i]."""
         self.kv.permute(order)
-        self.conv, self.state = self.conv[:, order], self.state[:, order]
+        permute_rows_(self.conv, order)
+        permute_rows_(self.state, order)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

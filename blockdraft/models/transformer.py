@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import RMSNorm, Rotary, apply_rotary, attend, attend_chunked, chunked_mask
+from .layers import RMSNorm, Rotary, apply_rotary, attend, attend_chunked, chunked_mask, permute_rows_
 
 
 class KVCache:
@@ -64,7 +64,8 @@ class KVCache:
 
     def permute(self, order: torch.Tensor):
         """Reorder the rows: row i becomes old row order[i]."""
-        self.k, self.v = self.k[:, order], self.v[:, order]
+        permute_rows_(self.k, order)
+        permute_rows_(self.v, order)
 
 
 def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
