@@ -177,10 +177,9 @@ def scaling_branches(args, settings: dict):
     main = None
     batch = settings["batch_size"]
     for n in sorted(args.sizes):
-        if main is None:
-            probe = TrainConfig(out=str(main_out), max_steps=1, **common(args), **settings)
-            main = Trainer(dataclasses.replace(probe, max_steps=math.ceil(len(Trainer(probe).samples) / batch)),
-                           resume=True)
+        if main is None:  # the schedule's length is one pass over the samples, known once they are loaded
+            main = Trainer(TrainConfig(out=str(main_out), max_steps=1, **common(args), **settings), resume=True)
+            main.cfg.max_steps = math.ceil(len(main.samples) / batch)
         total = len(main.samples)
         n = min(n, total)
         key = f"scaling-wsd/{args.arch}/{n}"
