@@ -114,8 +114,8 @@ def common(args) -> dict:
 
 def plan_recipe(args, names: list[str]) -> dict[str, int]:
     """Steps per run at equal CPU time. Every run not yet started is timed first, back to back,
-    so that all probes see the same machine state; the plan is saved and reused on rerun."""
-    path = RUNS / "recipe-plan.json"
+    so that all probes see the same machine state; the plan is saved (beside the results) and reused."""
+    path = RESULTS.parent / "recipe-plan.json"  # committed with the results: the same steps on any rerun
     plan = json.loads(path.read_text()) if path.is_file() else {}
     timed = {}  # cost key -> seconds per step
     for name in names:
