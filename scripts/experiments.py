@@ -206,11 +206,11 @@ def scaling_branches(args, settings: dict):
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for rec in lines:
         drafter = Path(rec["config"]["out"]) / "drafter"
         if "tau_blocks" in rec or not drafter.is_dir():
             continue
-        fields = {f.name for f in dataclasses.fields(TrainConfig)}
         trainer = Trainer(TrainConfig(**{k: v for k, v in rec["config"].items() if k in fields}))
         trainer._init_from_folder(drafter)
         rec.update(trainer.evaluate_blocks(BLOCK_SAMPLES))
