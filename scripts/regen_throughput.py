@@ -28,7 +28,7 @@ import torch
 from blockdraft import Engine
 from blockdraft.models.transformer import KVCache
 from blockdraft.bench.runner import cpu_name
-from blockdraft.train.data import answer_prompts, regenerate, training_prompts
+from blockdraft.train.data import answer_prompts, parse_mix, regenerate, training_prompts
 
 
 def main():
@@ -85,7 +85,7 @@ def main():
         print(json.dumps(row), flush=True)
     result = {"machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "python": platform.python_version()},
-              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens,
+              "date": time.strftime("%Y-%m-%d"), "mix": parse_mix(args.mix), "max_new_tokens": args.max_new_tokens,
               "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window, "results": rows}
     if args.json:
         with open(args.json, "w") as f:
