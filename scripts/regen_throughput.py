@@ -173,16 +173,19 @@ def profile(args):
     def until(stats):
         if not state["on"] and stats.written >= args.profile:
             prof.__enter__()
-            state["on"], state["t0"] = True, stats.seconds
+            state["on"], state["t0"], state["wall0"] = True, stats.seconds, time.perf_counter()
         return state["on"] and stats.seconds - state["t0"] >= args.window
 
     prompts = training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens)
     answer_prompts(engine, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.profile,
                    max_prompt_tokens=args.max_prompt_tokens, until=until)
+    wall = time.perf_counter()
     prof.__exit__(None, None, None)
+    wall -= state["wall0"]
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     print(f"{args.profile} rows, {args.window:.0f} s after the first turnover: share of CPU time by operator")
+    print(f"  (operators ran {total / 1e6:.1f} s of the {wall:.1f} s wall time: the rest is Python between them)")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
         print(f"  {e.key:55s} {100 * e.self_cpu_time_total / total:5.1f} %")
 
