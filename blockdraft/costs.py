@@ -7,14 +7,23 @@ measured seconds per (batch size, width); an unmeasured width is estimated from 
 curve scaled to the measured ones. `best_width` picks how many of a step's draft tokens to
 verify: the prefix of best-first draft nodes (a chain's tokens, a tree's nodes) with the
 most expected tokens per second. The serve policy (`serve.scheduler.SpeculationPolicy`),
-the confidence-cut chain and the cost-sized tree all use this one table.
+the confidence-cut chain and the cost-sized tree all use this one table. It also keeps the
+drafter pass's seconds, so that `DraftGate` can stop paying for drafts that do not pay.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
+
+
+def clock(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (accurate timing on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def prior_cost(width: int) -> float:
@@ -31,11 +40,28 @@ class StepCosts:
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self.seconds: dict[tuple[int, int], float] = {}
+        self.draft: dict[int, float] = {}  # seconds of a drafter pass per batch size
+
+    def _smooth(self, table: dict, key, seconds: float):
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
 
     def record(self, batch: int, width: int, seconds: float):
-        key = (batch, width)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self._smooth(self.seconds, (batch, width), seconds)
+
+    def record_draft(self, batch: int, seconds: float):
+        self._smooth(self.draft, batch, seconds)
+
+    def draft_pays(self, batch: int, expected: float, width: int) -> bool | None:
+        """Whether a step that drafted, expecting `expected` tokens per row from verifying
+        `width` tokens, beats plain decoding in tokens per second, its drafter pass included:
+        expected / (draft + c(width)) >= 1 / c(1). None until a drafter pass and a verify
+        step of this batch size have been measured."""
+        draft = self.draft.get(batch)
+        if draft is None or not any(b == batch for b, _ in self.seconds):
+            return None
+        plain, verify = self.estimates(batch, [1, width])
+        return expected * plain >= draft + verify
 
     def measured(self, batch: int, width: int) -> float | None:
         return self.seconds.get((batch, width))
@@ -68,3 +94,36 @@ def best_width(scores: torch.Tensor, costs: StepCosts, batch: int, widths=None) 
     gains = gains.tolist()
     cost = dict(zip(candidates, costs.estimates(batch, [n + 1 for n in candidates])))
     return max(candidates, key=lambda n: (gains[n] / cost[n], -n))
+
+
+class DraftGate:
+    """Stops paying for a drafter that is not helping. After a step whose draft did not pay
+    (`StepCosts.draft_pays`: its expected tokens per second, the drafter pass included, below
+    plain decoding's), the next 1, then 2, 4, ... up to `max_skip` steps decode without a
+    drafter pass; a draft that pays drafts again at every step. Output is unaffected
+    (skipping only verifies fewer tokens); with a drafter that is rarely confident the loop
+    then runs at close to plain decoding's speed instead of paying a pass per token."""
+
+    def __init__(self, max_skip: int = 16):
+        self.max_skip = max_skip
+        self.backoff = 0  # steps skipped after the last draft that did not pay
+        self.left = 0  # steps still to skip
+        self.skipped = 0  # steps skipped so far (for reports and tests)
+
+    def skip(self) -> bool:
+        """Whether this step skips the drafter pass (counts it down)."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        self.skipped += 1
+        return True
+
+    def update(self, pays: bool | None):
+        if pays is False:
+            self.backoff = min(max(1, 2 * self.backoff), self.max_skip)
+            self.left = self.backoff
+        elif pays:
+            self.backoff = self.left = 0
+
+    def reset(self):
+        self.backoff = self.left = 0

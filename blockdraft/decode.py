@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .costs import StepCosts
+from .costs import StepCosts, clock
 from .errors import BlockdraftError
 from .models.transformer import Transformer
 from .proposers import Proposer
@@ -81,13 +81,6 @@ def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
     if not state.finished and len(state.output_ids) >= req.max_new_tokens:
         state.finish_reason = "length"
     return kept
-
-
-def clock(device: torch.device) -> float:
-    """Wall time after the device has finished its queued work (accurate timing on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def check_requests(target: Transformer, requests: list[Request], block_size: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .costs import StepCosts, best_width
+from .costs import DraftGate, StepCosts, best_width, clock
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models.transformer import Transformer
@@ -70,7 +70,8 @@ class DFlashProposer(Proposer):
     - the chain of each position's most probable token (default);
     - `cut=True`: the same chain, cut where verifying more tokens stops paying: the length
       with the most expected tokens per second given the (calibrated) draft probabilities
-      and the loop's measured step costs (`costs.best_width`);
+      and the loop's measured step costs (`costs.best_width`); and while the drafts do not
+      pay for the drafter pass itself, the next steps skip it (`costs.DraftGate`);
     - `top_k > 1`: a tree of the `top_k` best tokens per position, grown best first up to the
       step's node budget (`tree.build_tree`), verified in one target forward.
 
@@ -110,6 +111,7 @@ class DFlashProposer(Proposer):
             self.default_block_size = tree_nodes + 1
         elif cut:
             self.name = "dflash-cut"
+        self.gate = DraftGate() if cut and top_k == 1 else None
         self.calibration = Calibration(drafter.config.block_size - 1, target.device)
         self.last: DraftTree | None = None  # the last proposal, for calibration
         self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last full draft
@@ -124,6 +126,8 @@ class DFlashProposer(Proposer):
         self.cache.clear()
         self._pending = []
         self.last = None
+        if self.gate is not None:
+            self.gate.reset()
 
     def observe(self, tokens, features, positions, rows=slice(None), valid=None):
         self._pending.append((features, positions, rows, valid))  # projected lazily, in propose
@@ -143,6 +147,9 @@ class DFlashProposer(Proposer):
         return hidden[:, 1:]
 
     def propose(self, last_tokens, positions, n, rows=slice(None)):
+        if self.gate is not None and n > 0 and self.gate.skip():
+            n = 0
+        t0 = clock(positions.device) if self.gate is not None and n > 0 else None
         hidden = self._block_hidden(last_tokens, positions, n, rows)
         if hidden is None:  # speculation switched off for this step: the context is still kept
             return last_tokens.new_zeros(last_tokens.shape[0], 0)
@@ -152,7 +159,10 @@ class DFlashProposer(Proposer):
         tokens, probs = tokens[..., 0], probs[..., 0]
         scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
         self.mean_scores = scores.mean(0)
-        keep = best_width(scores, self.costs or StepCosts(), tokens.shape[0])
+        costs, batch = self.costs or StepCosts(), tokens.shape[0]
+        keep = best_width(scores, costs, batch)
+        costs.record_draft(batch, clock(positions.device) - t0)
+        self.gate.update(costs.draft_pays(batch, 1.0 + float(scores[:, :keep].sum(1).mean()), keep + 1))
         self.last = DraftTree.chain(last_tokens, tokens[:, :keep], probs[:, :keep])
         return tokens[:, :keep]
 

@@ -11,7 +11,7 @@ import torch
 
 import blockdraft.tree as tree_mod
 from blockdraft import methods
-from blockdraft.costs import StepCosts, best_width, prior_cost
+from blockdraft.costs import DraftGate, StepCosts, best_width, prior_cost
 from blockdraft.decode import DecodeState, Request, generate_steps
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Proposer
@@ -112,6 +112,27 @@ def test_best_width_trades_expected_tokens_against_measured_cost():
     prior.record(4, 16, 2.0)
     assert abs(prior.estimate(4, 2) / prior.estimate(4, 1) - prior_cost(2)) < 1e-9
     assert best_width(scores, prior, 4, widths=(1, 4)) in (0, 3)
+
+
+def test_the_draft_gate_backs_off_while_drafts_do_not_pay():
+    costs = StepCosts()
+    assert costs.draft_pays(1, 3.0, 4) is None  # nothing measured yet: no opinion
+    costs.record(1, 1, 0.030)
+    costs.record(1, 4, 0.040)
+    costs.record_draft(1, 0.010)
+    assert costs.draft_pays(1, 1.6, 4) is False  # 1.6 / 50 ms < 1 / 30 ms
+    assert costs.draft_pays(1, 1.7, 4) is True  # 1.7 / 50 ms > 1 / 30 ms
+    assert costs.draft_pays(1, 1.3, 1) is False  # nothing verified: the pass alone was paid for
+    assert costs.draft_pays(2, 3.0, 4) is None  # another batch size: not measured
+    gate = DraftGate(max_skip=8)
+    pattern = []
+    for pays in [None, False, False, False, False, False, True, False]:
+        gate.update(pays)
+        skipped = 0
+        while gate.skip():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [0, 1, 2, 4, 8, 8, 0, 1] and gate.skipped == 24
 
 
 def test_tree_methods_parse_and_refuse_what_they_cannot_do(smol):
@@ -271,8 +292,11 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4):
     states = run(smol, proposer, prompts, 16)
     for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
-    # a random drafter's confidence is low: the cut verifies short chains
+    # a random drafter's confidence is low: the cut verifies short chains, and its drafts do not
+    # pay for the drafter pass, so the gate skips the pass on many steps
     assert max(n for s in states for _, n in s.accepted_per_step) < 15
+    assert proposer.gate.skipped > 0
+    assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= proposer.gate.skipped
 
 
 def tree_counts(target, proposer, params, nodes, n=3000, batch=500):
