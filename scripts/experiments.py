@@ -54,9 +54,11 @@ RECIPE = {
     "layers-2": {"num_layers": 2},
     "soft-labels": {"distill": 1.0},
     "soft-half": {"distill": 0.5},
+    "anchors-16": {"num_anchors": 16},
     "anchors-32": {"num_anchors": 32},
     "anchors-128": {"num_anchors": 128},
     "block-8": {"block_size": 8},
+    "block-8-anchors-32": {"block_size": 8, "num_anchors": 32},  # the two best single changes, together
     "no-clip": {"grad_clip": 0.0},
 }
 
