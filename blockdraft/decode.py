@@ -15,7 +15,7 @@ import torch
 
 from .costs import StepCosts, clock
 from .errors import BlockdraftError
-from .models.transformer import Transformer
+from .models.transformer import KVCache, Transformer
 from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
 from .tree import DraftTree
@@ -229,6 +229,34 @@ class DecodeLoop:
         self.params = [SamplingParams(0.0)] * slots
         self.costs = StepCosts()  # measured verify seconds per (batch, width)
         proposer.costs = self.costs
+        self.prefix: tuple | None = None  # (ids, keys/values, captured features) of `share_prefix`
+
+    def share_prefix(self, ids: list[int]) -> bool:
+        """Prefill `ids` once (e.g. the chat template's default system header, which every prompt
+        without a system turn starts with): a prompt that starts with them then gets their
+        keys/values (and captured features) copied into its slot and runs only its own tokens
+        through the target. Attention caches only (a recurrent layer's state is not kept at the
+        prefix's end); False when not used. Outputs are the same up to floating-point rounding
+        (the prefix runs in a forward of its own)."""
+        self.prefix = None
+        if not ids or self.target.recurrent or not isinstance(self.state.cache, KVCache):
+            return False
+        device = self.target.device
+        cache = self.target.new_cache(1, len(ids))
+        tokens = torch.tensor([ids], device=device)
+        positions = torch.arange(len(ids), device=device)[None]
+        with torch.no_grad():
+            _, features = self.target(tokens, positions, cache, capture=self.proposer.capture_layers)
+        self.prefix = (list(ids), cache, features)
+        return True
+
+    def _prefix_length(self, reqs) -> int:
+        """Tokens of the shared prefix the prompts of one prefill all start with (0: none)."""
+        if self.prefix is None:
+            return 0
+        ids = self.prefix[0]
+        n = len(ids)
+        return n if all(len(r.prompt_ids) > n and r.prompt_ids[:n] == ids for r in reqs) else 0
 
     @property
     def free_slots(self) -> list[int]:
@@ -287,9 +315,16 @@ class DecodeLoop:
         for b, r in enumerate(reqs):
             tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
         positions = torch.arange(width, device=device).expand(count, -1)
-        hidden, features = self.target(tokens, positions, self.state.cache, rows=rows,
+        shared = self._prefix_length(reqs)
+        if shared:  # the shared prefix's keys/values are copied in; only the rest runs
+            cache, prefix = self.state.cache, self.prefix[1]
+            cache.k[:, rows, :, :shared] = prefix.k[:, :, :, :shared]
+            cache.v[:, rows, :, :shared] = prefix.v[:, :, :, :shared]
+        hidden, features = self.target(tokens[:, shared:], positions[:, shared:], self.state.cache, rows=rows,
                                        capture=self.proposer.capture_layers)
-        last = hidden[torch.arange(count, device=device), lengths - 1]
+        if shared and features is not None:
+            features = torch.cat([self.prefix[2].expand(count, -1, -1), features], dim=1)
+        last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
         first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)

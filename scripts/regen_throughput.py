@@ -53,11 +53,16 @@ def main():
     ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
                          "length + grouped attention and without, twice each, interleaved, and print the wall times")
+    ap.add_argument("--compare-prefix", type=int, metavar="PROMPTS",
+                    help="instead: answer the same PROMPTS prompts with the chat template's shared start prefilled "
+                         "once and without, twice each, interleaved, and print the wall times")
+    ap.add_argument("--no-share-prefix", action="store_true",
+                    help="prefill every prompt whole (default: the chat template's shared start once)")
     args = ap.parse_args()
     if args.profile:
         return profile(args)
-    if args.compare_sorting:
-        return compare_sorting(args)
+    if args.compare_sorting or args.compare_prefix:
+        return compare_runs(args)
     if args.server_compare:
         return server_compare(args)
     engine = Engine.load(use_draft=False)
@@ -71,7 +76,7 @@ def main():
             return bool(turned) and stats.seconds - turned[0] >= args.window
 
         common = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, max_prompt_tokens=args.max_prompt_tokens,
-                      until=until)
+                      until=until, share_prefix=not args.no_share_prefix)
         if args.out:
             stats = regenerate(engine, args.out, mix=args.mix, progress=False, **common)
         else:
@@ -86,7 +91,8 @@ def main():
     result = {"machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d"), "mix": parse_mix(args.mix), "max_new_tokens": args.max_new_tokens,
-              "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window, "results": rows}
+              "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window,
+              "shared_prefix": not args.no_share_prefix, "results": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -96,28 +102,37 @@ def main():
         print(f"| {r['batch']} | {r['answer_tok_s']} | {r['prompt_tok_s']} | {r['warmup_seconds']} |")
 
 
-def compare_sorting(args):
+def compare_runs(args):
+    """--compare-sorting / --compare-prefix: the same prompts answered each way, twice, interleaved."""
     import itertools
 
     engine = Engine.load(use_draft=False)
+    count = args.compare_sorting or args.compare_prefix
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
-                                    args.offset, args.offset + args.compare_sorting))
+                                    args.offset, args.offset + count))
     batch = max(args.batches)
     in_place = KVCache.permute
 
     def copying(cache, order):  # the reorder as it was: a fresh copy of the whole cache
         cache.k, cache.v = cache.k[:, order], cache.v[:, order]
 
-    runs = [(0, in_place), (32, in_place)] if not args.copying_permute else [(32, copying), (32, in_place)]
-    for sort_every, permute in runs * 2:
+    if args.compare_prefix:
+        runs = [("chat template's shared start prefilled once", dict(share_prefix=True), in_place),
+                ("every prompt prefilled whole", dict(share_prefix=False), in_place)]
+    elif args.copying_permute:
+        runs = [("rows sorted every 32 steps (cache copied)", dict(sort_every=32), copying),
+                ("rows sorted every 32 steps (in place)", dict(sort_every=32), in_place)]
+    else:
+        runs = [("rows sorted every - steps", dict(sort_every=0), in_place),
+                ("rows sorted every 32 steps", dict(sort_every=32), in_place)]
+    for label, options, permute in runs * 2:
         KVCache.permute = permute
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
-                               max_prompt_tokens=args.max_prompt_tokens, sort_every=sort_every)
+                               max_prompt_tokens=args.max_prompt_tokens, **options)
         seconds = time.perf_counter() - t0
-        how = "" if not args.copying_permute else (" (cache copied)" if permute is copying else " (in place)")
-        print(f"rows sorted every {sort_every or '-'} steps{how}: {stats.tokens} answer + {stats.prompt_tokens} "
-              f"prompt tokens in {seconds:.0f} s ({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
+        print(f"{label}: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens in {seconds:.0f} s "
+              f"({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
     KVCache.permute = in_place
 
 

@@ -177,9 +177,9 @@ def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, ch
                                f"{proposer.name} request {i}")
 
 
-def run_sorting(loop, reqs):
-    """Requests through a decode loop that sorts its rows (continuous batching); asserts that
-    the rows really were reordered and returns the requests' states."""
+def run_sorting(loop, reqs, must_sort=True):
+    """Requests through a decode loop (continuous batching); asserts that the rows really were
+    reordered (unless not `must_sort`) and returns the requests' states."""
     from blockdraft.decode import SequenceState
 
     states = [SequenceState() for _ in reqs]
@@ -197,7 +197,7 @@ def run_sorting(loop, reqs):
             for key, done in step.finished.items():
                 if done:
                     loop.release(key)
-    assert sorted_once
+    assert sorted_once or not must_sort
     return states
 
 
@@ -240,3 +240,55 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     for out, truth in zip(states, truths):
         assert out.output_ids == truth
     assert any(a > 1 for s in unbounded for a in s.acceptance_lengths)  # drafts were accepted
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf_smol, chat_ids, hf_greedy, tokenizer,
+                                                                         monkeypatch):
+    """`share_prefix` (the chat template's common start, prefilled once): prompts that start
+    with it run only their own tokens through the target, yet plain decoding gives HF's greedy
+    answers and the shipped drafter (fed the cached prefix's features) accepts what it does
+    without the shared prefix."""
+    from blockdraft.decode import DecodeLoop
+    from blockdraft.engine import shipped_drafter
+    from blockdraft.train.data import template_prefix_ids
+
+    prefix = template_prefix_ids(tokenizer)
+    assert len(prefix) > 10 and all(ids[:len(prefix)] == prefix for ids in chat_ids)
+    starts = []
+    forward = type(smol).forward
+
+    def spy(self, tokens, positions, *args, **kwargs):
+        starts.append(positions[:, 0].tolist())
+        return forward(self, tokens, positions, *args, **kwargs)
+
+    monkeypatch.setattr(type(smol), "forward", spy)
+    idx = [0, 3, 5, 8]
+    reqs = [Request(chat_ids[i], max_new_tokens=N_NEW, stop_token_ids=(2,)) for i in idx]
+    drafter = DFlashDrafter.load(shipped_drafter("dflash"))
+    accepted = {}
+    for proposer, block in ((Proposer(), 1), (DFlashProposer(drafter, smol), 8)):
+        for shared in (True, False):
+            loop = DecodeLoop(smol, proposer, block, 2, 200)
+            assert loop.share_prefix(prefix if shared else []) == shared
+            starts.clear()
+            states = run_sorting(loop, reqs, must_sort=False)
+            # the first two prompts were prefilled together from the end of the shared prefix
+            # (from 0 without it); no forward ran the prefix again
+            assert starts[0] == [len(prefix) if shared else 0] * 2
+            assert not shared or all(min(s) > 0 for s in starts)
+            for i, state in zip(idx, states):
+                assert_same_or_tie(hf_smol, chat_ids[i], state.output_ids, hf_greedy[i], f"{proposer.name} {i}")
+            accepted[proposer.name, shared] = [s.acceptance_lengths for s in states]
+    assert accepted["dflash", True] == accepted["dflash", False]
+    # the drafter is fed the same context features for the prefix either way
+    from blockdraft.decode import SequenceState
+
+    proposer, snaps = DFlashProposer(drafter, smol), []
+    for shared in (True, False):
+        loop = DecodeLoop(smol, proposer, 8, 2, 200)
+        loop.share_prefix(prefix if shared else [])
+        with torch.inference_mode():
+            loop.admit([(k, reqs[k], SequenceState()) for k in range(2)])
+        (features, *_), = proposer._pending  # projected into its cache at the next draft
+        snaps.append(features[:, :len(prefix)].clone())
+    assert snaps[0].abs().amax() > 0.1 and torch.allclose(snaps[0], snaps[1], atol=1e-4)

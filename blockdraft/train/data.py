@@ -43,6 +43,16 @@ def chat_prompt_ids(tokenizer, turns: list[dict] | str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def template_prefix_ids(tokenizer) -> list[int]:
+    """The tokens every one-turn prompt starts with in the chat template (for SmolLM2: its default
+    system turn and the user header), found as the common start of two different prompts."""
+    a, b = chat_prompt_ids(tokenizer, "a"), chat_prompt_ids(tokenizer, "b")
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def parse_mix(text: str | dict | None) -> dict[str, float]:
     """`"sharegpt=3,math=1"` -> {"sharegpt": 3.0, "math": 1.0} (a bare name weighs 1)."""
     if text is None:
@@ -253,17 +263,21 @@ def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, meth
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
                    temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", max_prompt_tokens: int = 256,
                    seconds: float | None = None, until=None, on_sample=None, bar=None,
-                   sort_every: int | None = None) -> RegenStats:
+                   sort_every: int | None = None, share_prefix: bool = True) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
     step, free slots take the next prompts (prefilled together); finished rows go to `on_sample`.
     With `seconds`, the loop stops after that long, with `until` once `until(stats)` is true
     (checked every step); rows still running are then dropped. `sort_every`: steps between
-    sorts of the rows by length (default: `decode.default_sort_every`)."""
+    sorts of the rows by length (default: `decode.default_sort_every`). `share_prefix`: prefill
+    the chat template's common start once and copy it into each prompt that begins with it
+    (`DecodeLoop.share_prefix`)."""
     proposer = engine.proposer(method)
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
                       sort_every=default_sort_every(proposer, batch_size) if sort_every is None else sort_every)
+    if share_prefix:
+        loop.share_prefix(template_prefix_ids(engine.tokenizer))
     stats, t0 = RegenStats(), time.perf_counter()
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
@@ -319,13 +333,14 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | None = None, limit: int | None = None,
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", seconds: float | None = None,
-               until=None, progress: bool = True, concurrency: int = 64) -> RegenStats:
+               until=None, progress: bool = True, concurrency: int = 64, share_prefix: bool = True) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
 
     `engine`: an `Engine` (the target runs here, `batch_size` rows, `method`) or a
     `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
-    `seconds` stops the run after that long (rows still running are dropped, redone next time)."""
+    `seconds` stops the run after that long (rows still running are dropped, redone next time).
+    `share_prefix`: see `answer_prompts`."""
     from .remote import RemoteTarget, answer_prompts_remote
 
     out = Path(out_dir)
@@ -356,7 +371,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
                 stats = answer_prompts_remote(engine, todo, concurrency=concurrency, stats=RegenStats(), **common)
             else:
                 stats = answer_prompts(engine, todo, batch_size=batch_size, method=method,
-                                       max_prompt_tokens=max_prompt_tokens, **common)
+                                       max_prompt_tokens=max_prompt_tokens, share_prefix=share_prefix, **common)
         finally:
             bar.close()
             writer.close()
