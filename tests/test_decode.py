@@ -291,4 +291,5 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
             loop.admit([(k, reqs[k], SequenceState()) for k in range(2)])
         (features, *_), = proposer._pending  # projected into its cache at the next draft
         snaps.append(features[:, :len(prefix)].clone())
-    assert snaps[0].abs().amax() > 0.1 and torch.allclose(snaps[0], snaps[1], atol=1e-4)
+    scale = snaps[1].abs().amax(-1, keepdim=True)  # a token's features span 1e-1..1e4: compare per token
+    assert scale.amin() > 0.1 and ((snaps[0] - snaps[1]).abs() / scale).amax() < 1e-5
