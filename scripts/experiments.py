@@ -252,10 +252,13 @@ def cmd_table(args):
             groups.setdefault(f"{r['arch']} ({r.get('schedule', 'separate')}, {r['epochs']} epoch)", []).append(r)
         for label, rs in sorted(groups.items()):
             rs.sort(key=lambda r: r["samples"])
-            ax.plot([r["samples"] for r in rs], [r.get("tau_blocks") or r["tau"] for r in rs], "o-", label=label)
+            line, = ax.plot([r["samples"] for r in rs], [r.get("tau_blocks") or r["tau"] for r in rs], "o-",
+                            label=f"{label}: teacher-forced")
+            ax.plot([r["samples"] for r in rs], [r["tau"] for r in rs], "s--", color=line.get_color(),
+                    label=f"{label}: decode loop")
         ax.set_xscale("log")
         ax.set_xlabel("distinct training samples")
-        ax.set_ylabel("τ (teacher-forced, held-out answers)")
+        ax.set_ylabel("τ on held-out prompts")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
