@@ -230,12 +230,13 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     assert DFlashProposer(drafter, smol).draft_window == 512  # default: the context it was trained on
     with pytest.raises(BlockdraftError, match="draft window"):
         DFlashProposer(drafter, smol, draft_window=-1)
-    unbounded = run(smol, DFlashProposer(drafter, smol, draft_window=0), prompts, 16)
-    wide = run(smol, DFlashProposer(drafter, smol, draft_window=4096), prompts, 16)
+    block = drafter.config.block_size  # the block it was trained for
+    unbounded = run(smol, DFlashProposer(drafter, smol, draft_window=0), prompts, block)
+    wide = run(smol, DFlashProposer(drafter, smol, draft_window=4096), prompts, block)
     assert [s.acceptance_lengths for s in wide] == [s.acceptance_lengths for s in unbounded]
     states = []
     reqs = [Request(p, max_new_tokens=N_NEW, stop_token_ids=(2,)) for p in prompts]
-    for _ in generate_steps(smol, DFlashProposer(drafter, smol, draft_window=5), reqs, 16, states, batch_size=2):
+    for _ in generate_steps(smol, DFlashProposer(drafter, smol, draft_window=5), reqs, block, states, batch_size=2):
         pass
     for out, truth in zip(states, truths):
         assert out.output_ids == truth
