@@ -229,7 +229,10 @@ class DecodeLoop:
         self.params = [SamplingParams(0.0)] * slots
         self.costs = StepCosts()  # measured verify seconds per (batch, width)
         proposer.costs = self.costs
-        self.prefix: tuple | None = None  # (ids, keys/values, captured features) of `share_prefix`
+        # `share_prefix`: its token ids, their keys/values and captured features (None: not shared)
+        self.prefix_ids: list[int] | None = None
+        self.prefix_cache: KVCache | None = None
+        self.prefix_features: torch.Tensor | None = None
 
     def share_prefix(self, ids: list[int]) -> bool:
         """Prefill `ids` once (e.g. the chat template's default system header, which every prompt
@@ -238,7 +241,7 @@ class DecodeLoop:
         through the target. Attention caches only (a recurrent layer's state is not kept at the
         prefix's end); False when not used. Outputs are the same up to floating-point rounding
         (the prefix runs in a forward of its own)."""
-        self.prefix = None
+        self.prefix_ids = self.prefix_cache = self.prefix_features = None
         if not ids or self.target.recurrent or not isinstance(self.state.cache, KVCache):
             return False
         device = self.target.device
@@ -247,14 +250,14 @@ class DecodeLoop:
         positions = torch.arange(len(ids), device=device)[None]
         with torch.no_grad():
             _, features = self.target(tokens, positions, cache, capture=self.proposer.capture_layers)
-        self.prefix = (list(ids), cache, features)
+        self.prefix_ids, self.prefix_cache, self.prefix_features = list(ids), cache, features
         return True
 
     def _prefix_length(self, reqs) -> int:
         """Tokens of the shared prefix the prompts of one prefill all start with (0: none)."""
-        if self.prefix is None:
+        ids = self.prefix_ids
+        if ids is None:
             return 0
-        ids = self.prefix[0]
         n = len(ids)
         return n if all(len(r.prompt_ids) > n and r.prompt_ids[:n] == ids for r in reqs) else 0
 
@@ -317,13 +320,13 @@ class DecodeLoop:
         positions = torch.arange(width, device=device).expand(count, -1)
         shared = self._prefix_length(reqs)
         if shared:  # the shared prefix's keys/values are copied in; only the rest runs
-            cache, prefix = self.state.cache, self.prefix[1]
+            cache, prefix = self.state.cache, self.prefix_cache
             cache.k[:, rows, :, :shared] = prefix.k[:, :, :, :shared]
             cache.v[:, rows, :, :shared] = prefix.v[:, :, :, :shared]
         hidden, features = self.target(tokens[:, shared:], positions[:, shared:], self.state.cache, rows=rows,
                                        capture=self.proposer.capture_layers)
         if shared and features is not None:
-            features = torch.cat([self.prefix[2].expand(count, -1, -1), features], dim=1)
+            features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
         first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)

@@ -46,11 +46,7 @@ def chat_prompt_ids(tokenizer, turns: list[dict] | str) -> list[int]:
 def template_prefix_ids(tokenizer) -> list[int]:
     """The tokens every one-turn prompt starts with in the chat template (for SmolLM2: its default
     system turn and the user header), found as the common start of two different prompts."""
-    a, b = chat_prompt_ids(tokenizer, "a"), chat_prompt_ids(tokenizer, "b")
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
+    return os.path.commonprefix([chat_prompt_ids(tokenizer, "a"), chat_prompt_ids(tokenizer, "b")])
 
 
 def parse_mix(text: str | dict | None) -> dict[str, float]:
