@@ -25,6 +25,7 @@ from blockdraft.draft import DFlashDrafter
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
+SCALING_LOG = DEST.parents[2] / "data" / "train-logs" / "experiments.jsonl"
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench (first turns)", "gsm8k": "GSM8K"}
 
 
@@ -68,6 +69,24 @@ vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Loaded wh
 """ + curve)
 
 
+def scaling_table(path: str, arch: str = "dflash") -> str:
+    """The data-scaling curve of this recipe (one record per size, the newest of each), as a markdown table."""
+    if not path or not Path(path).is_file():
+        return ""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("kind") == "scaling" and rec.get("arch") == arch:
+            rows[rec["samples"]] = rec
+    if not rows:
+        return ""
+    body = "".join(f"| {n:,} | {r['epochs']} | {r['steps']:,} | {r.get('tau_blocks', float('nan')):.3f} | "
+                   f"{r['tau']:.3f} | {r['val_acc'][0]:.3f} |\n" for n, r in sorted(rows.items()))
+    return ("\n## Data-scaling curve (the same recipe on the first N samples; `scripts/experiments.py scaling`)\n\n"
+            "| distinct samples | epochs | steps | τ teacher-forced (held-out answers) | τ decode loop "
+            "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body)
+
+
 def block_of(method: str, cfg: dict) -> int:
     """The block size a bench method name ran at (`dflash@4` -> 4, `dflash` -> the trained one)."""
     return int(method.split("@")[1]) if "@" in method else cfg["block_size"]
@@ -80,6 +99,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
     ap.add_argument("--eagle", help="also ship the EAGLE-3-style baseline trained in this run folder")
+    ap.add_argument("--scaling", default=str(SCALING_LOG),
+                    help="experiment log whose data-scaling records (scripts/experiments.py scaling) go in the card")
     args = ap.parse_args()
     if args.eagle:
         ship_eagle(Path(args.eagle))
@@ -146,7 +167,7 @@ Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --meth
 
 | step | tokens seen | τ |
 |---|---|---|
-""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve)
+""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling)
     (DEST / "README.md").write_text(card)
     print(card)
 
