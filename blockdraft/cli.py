@@ -100,15 +100,17 @@ def cmd_demo(args) -> int:
         cfg = DraftConfig.for_target(engine.target.config, mask_token_id=DEFAULT_MASK_TOKEN_ID)
         engine.drafter = DFlashDrafter(cfg).to(engine.target.device, engine.target.dtype).eval()
     kwargs = dict(chat=True, max_new_tokens=args.max_new_tokens)
-    engine.generate(args.prompt, method="ar", max_new_tokens=4)  # warm-up
+    for method in ("ar", "dflash"):  # warm-up (the verify step's weights are packed on first use)
+        engine.generate(args.prompt, method=method, max_new_tokens=8)
     ar = engine.generate(args.prompt, method="ar", **kwargs)
-    df = engine.generate(args.prompt, method="dflash", **kwargs)
-    for out in (ar, df):
+    runs = [engine.generate(args.prompt, method=m, **kwargs) for m in ("dflash", "dflash-cut")]
+    for out in (ar, *runs):
         print(f"=== {out.method}: {out.num_output_tokens} tokens, {out.tokens_per_second:.1f} tok/s, "
               f"tau {out.tau:.2f} ===")
         print(out.text.strip() + "\n")
-    same = "identical" if ar.token_ids == df.token_ids else "DIFFERENT (a bug: please report it)"
-    print(f"outputs: {same}; speedup of dflash over ar: {df.tokens_per_second / ar.tokens_per_second:.2f}x")
+    same = all(out.token_ids == ar.token_ids for out in runs)
+    print("outputs: " + ("identical" if same else "DIFFERENT (a bug: please report it)") + "; speedup over ar: "
+          + ", ".join(f"{out.method} {out.tokens_per_second / ar.tokens_per_second:.2f}x" for out in runs))
     return 0
 
 

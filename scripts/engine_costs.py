@@ -2,7 +2,7 @@
 
 1. Tokens/s of our autoregressive path (`--method ar`) vs HF transformers' greedy
    `generate` on the same weights, interleaved prompt by prompt, medians over prompts.
-2. The cost of one target forward that verifies B = 1, 2, 4, 8, 16 tokens (logits at every
+2. The cost of one target forward that verifies B = 1, 2, 3, 4, 8, 16 tokens (logits at every
    position), relative to one plain decode step (B = 1), with MKL's ordinary sgemm and
    with the prepacked weights blockdraft uses on CPU (`blockdraft.models.packed`).
 
@@ -67,7 +67,7 @@ def main():
     target = engine.target
     prompt = engine.encode(PROMPTS[0] * 4, chat=True)
     cache = target.new_cache(1, len(prompt) + 64)
-    blocks = (1, 2, 4, 8, 16)
+    blocks = (1, 2, 3, 4, 8, 16)
     times = {}
     with torch.inference_mode():
         target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)

@@ -155,7 +155,7 @@ Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding 
 | drafter | {cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {vocab}, initialised from {cfg.get('init', 'random')} |
 | data | answers regenerated greedily by SmolLM2-135M-Instruct (`{cfg['data']}`, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
 | training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
-| CPU time | {wall / 3600:.1f} hours on {cpu_name()} ({torch.get_num_threads()} threads, fp32, torch {torch.__version__}) |
+| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({torch.get_num_threads()} threads, fp32, torch {torch.__version__}) |
 
 ## Measured acceptance length τ (greedy, up to {args.max_new_tokens} new tokens)
 

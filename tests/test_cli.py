@@ -1,6 +1,7 @@
 """The CLI's JSON contract and its error messages (real subprocesses)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -120,6 +121,23 @@ def test_the_shipped_drafter_is_the_default_and_matches_its_card():
     assert engine.drafter.config.block_size == cfg["block_size"]
     card = (folder / "README.md").read_text()
     assert "HumanEval" in card and "MT-Bench" in card and "τ" in card
+
+
+def test_demo_compares_both_dflash_runs_with_hf_greedy(hf_smol, tokenizer):
+    """`make demo`'s command: ar, dflash and dflash-cut with the shipped drafter, the texts
+    it prints are HF's own greedy answer, and it reports both speedups."""
+    prompt = "Write a Python function that adds two numbers."
+    code, out, err = cli("demo", "--prompt", prompt, "--max-new-tokens", "24")
+    assert code == 0, err
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=2)
+    expected = tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True).strip()
+    parts = re.split(r"^=== (\S+): [^\n]* ===\n", out.split("\noutputs: ")[0], flags=re.M)
+    assert parts[1::2] == ["ar", "dflash", "dflash-cut"], out
+    assert [p.strip() for p in parts[2::2]] == [expected] * 3
+    assert "outputs: identical; speedup over ar: dflash " in out and "dflash-cut " in out
 
 
 def test_method_registry_drives_the_cli_and_finds_shipped_drafters():
