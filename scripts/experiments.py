@@ -63,10 +63,16 @@ RECIPE = {
 }
 
 
+def records(path: Path | None = None) -> list[dict]:
+    """The recorded runs (one JSON object per line of the results file); [] when there is none."""
+    path = Path(path or RESULTS)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def done_runs() -> set[str]:
-    if not RESULTS.is_file():
-        return set()
-    return {json.loads(line)["run"] for line in RESULTS.read_text().splitlines() if line.strip()}
+    return {r["run"] for r in records()}
 
 
 def set_paths(results: str, runs: str):
@@ -222,7 +228,7 @@ def cmd_blocks(args):
 
 def cmd_table(args):
     """The recipe table (markdown) and, with --plot, the data-scaling curve, from the results file."""
-    rows = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    rows = records()
     recipe = [r for r in rows if r.get("kind") == "recipe"]
     if recipe:
         print("| run | change | steps | s/step | τ decode | τ teacher-forced | acc@1 | acc@2 | acc@4 | CE@1 |")

@@ -71,11 +71,10 @@ vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Loaded wh
 
 def scaling_table(path: str, arch: str = "dflash") -> str:
     """The data-scaling curve of this recipe (one record per size, the newest of each), as a markdown table."""
-    if not path or not Path(path).is_file():
-        return ""
+    from experiments import records  # scripts/experiments.py, beside this script
+
     rows = {}
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
+    for rec in records(path):
         if rec.get("kind") == "scaling" and rec.get("arch") == arch:
             rows[rec["samples"]] = rec
     if not rows:
