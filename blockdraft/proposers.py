@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .costs import DraftGate, StepCosts, best_width, clock
+from .costs import DraftGate, StepCosts, best_depth, best_width, clock
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models.transformer import Transformer
@@ -70,8 +70,12 @@ class DFlashProposer(Proposer):
     - the chain of each position's most probable token (default);
     - `cut=True`: the same chain, cut where verifying more tokens stops paying: the length
       with the most expected tokens per second given the (calibrated) draft probabilities
-      and the loop's measured step costs (`costs.best_width`); and while the drafts do not
-      pay for the drafter pass itself, the next steps skip it (`costs.DraftGate`);
+      and the loop's measured step costs (`costs.best_width`); the pass drafts only as many
+      positions as pay on average (`costs.best_depth`, from the running mean of the calibrated
+      estimates and the measured seconds of passes of each depth; every `PROBE_EVERY`-th
+      step drafts the whole block to keep the deeper positions' estimates current); and
+      while the drafts do not pay for the drafter pass itself, the next steps skip it
+      (`costs.DraftGate`);
     - `top_k > 1`: a tree of the `top_k` best tokens per position, grown best first up to the
       step's node budget (`tree.build_tree`), verified in one target forward.
 
@@ -83,6 +87,8 @@ class DFlashProposer(Proposer):
     name = "dflash"
     can_permute = False
     MAX_TREE_NODES = 64
+    PROBE_EVERY = 16  # cut chain: one step in this many drafts the whole block
+    SCORE_SMOOTHING = 0.1  # cut chain: weight of a step in the running mean of the estimates
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, cut: bool = False, top_k: int = 1,
                  tree_nodes: int = 16, draft_window: int | str | None = "auto"):
@@ -114,7 +120,10 @@ class DFlashProposer(Proposer):
         self.gate = DraftGate() if cut and top_k == 1 else None
         self.calibration = Calibration(drafter.config.block_size - 1, target.device)
         self.last: DraftTree | None = None  # the last proposal, for calibration
-        self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last full draft
+        self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last draft
+        # cut chain: running mean of the estimates per position (None: not drafted there yet)
+        self.score_mean: list[float | None] = [None] * (drafter.config.block_size - 1)
+        self.drafts = 0  # cut chain: drafter passes so far (for the probe schedule)
         self.cache = None
         self._pending: list[tuple] = []  # (features, positions, rows, valid) not yet in the cache
 
@@ -149,6 +158,9 @@ class DFlashProposer(Proposer):
     def propose(self, last_tokens, positions, n, rows=slice(None)):
         if self.gate is not None and n > 0 and self.gate.skip():
             n = 0
+        costs, batch = self.costs or StepCosts(), last_tokens.shape[0]
+        if self.cut and n > 0:
+            n = self._depth(n, costs, batch)
         t0 = clock(positions.device) if self.gate is not None and n > 0 else None
         hidden = self._block_hidden(last_tokens, positions, n, rows)
         if hidden is None:  # speculation switched off for this step: the context is still kept
@@ -159,12 +171,23 @@ class DFlashProposer(Proposer):
         tokens, probs = tokens[..., 0], probs[..., 0]
         scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
         self.mean_scores = scores.mean(0)
-        costs, batch = self.costs or StepCosts(), tokens.shape[0]
+        for k, score in enumerate(self.mean_scores.tolist()):
+            old = self.score_mean[k]
+            self.score_mean[k] = score if old is None else old + self.SCORE_SMOOTHING * (score - old)
         keep = best_width(scores, costs, batch)
-        costs.record_draft(batch, clock(positions.device) - t0)
-        self.gate.update(costs.draft_pays(batch, 1.0 + float(scores[:, :keep].sum(1).mean()), keep + 1))
+        costs.record_draft(batch, n, clock(positions.device) - t0)
+        self.gate.update(costs.draft_pays(batch, 1.0 + float(scores[:, :keep].sum(1).mean()), keep + 1, n))
         self.last = DraftTree.chain(last_tokens, tokens[:, :keep], probs[:, :keep])
         return tokens[:, :keep]
+
+    def _depth(self, n: int, costs: StepCosts, batch: int) -> int:
+        """Cut chain: how many of the step's n positions to draft (`costs.best_depth`); the
+        whole block on every PROBE_EVERY-th pass and until every position has an estimate."""
+        self.drafts += 1
+        means = self.score_mean[:n]
+        if (self.drafts - 1) % self.PROBE_EVERY == 0 or None in means:
+            return n
+        return best_depth(means, costs, batch)
 
     def propose_tree(self, last_tokens, positions, nodes, rows=slice(None)):
         depth = min(nodes, self.drafter.config.block_size - 1)
@@ -187,7 +210,10 @@ class DFlashProposer(Proposer):
         self.last = None
 
     def expected_tokens(self, block):
-        if self.mean_scores is None or not (self.cut or self.drafts_trees):
+        if self.cut:
+            means = self.score_mean[: block - 1]
+            return None if None in means else 1.0 + sum(means)
+        if self.mean_scores is None or not self.drafts_trees:
             return None
         return 1.0 + float(self.mean_scores[: block - 1].sum())
 

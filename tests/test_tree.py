@@ -11,7 +11,7 @@ import torch
 
 import blockdraft.tree as tree_mod
 from blockdraft import methods
-from blockdraft.costs import DraftGate, StepCosts, best_width, prior_cost
+from blockdraft.costs import DraftGate, StepCosts, best_depth, best_width, prior_cost
 from blockdraft.decode import DecodeState, Request, generate_steps
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Proposer
@@ -114,16 +114,36 @@ def test_best_width_trades_expected_tokens_against_measured_cost():
     assert best_width(scores, prior, 4, widths=(1, 4)) in (0, 3)
 
 
+def test_the_cut_drafts_only_as_deep_as_pays():
+    costs = StepCosts()
+    for w, ms in {1: 30, 2: 32, 3: 34, 4: 45, 8: 50}.items():  # the CPU's cliff at 4 rows
+        costs.record(1, w, ms / 1000)
+    costs.record_draft(1, 7, 0.009)
+    means = [0.6, 0.35, 0.2, 0.1, 0.05, 0.02, 0.01]  # P(drafts 1..k+1 all accepted)
+    rate = {d: (1 + sum(means[:d])) / (0.009 + costs.estimate(1, d + 1)) for d in range(1, 8)}
+    assert best_depth(means, costs, 1) == max(rate, key=rate.get) == 2  # only the verify cliff counts so far
+    costs.record_draft(1, 2, 0.006)  # a shallow pass measured cheaper: depth 2 gains more
+    assert best_depth(means, costs, 1) == 2 and costs.draft_estimate(1, 1) == 0.006
+    assert costs.draft_estimate(1, 5) == 0.009 and costs.draft_estimate(2, 5) is None
+    assert best_depth([0.95] * 7, costs, 1) == 7  # a confident drafter: the whole block pays
+    flat = StepCosts()
+    for w in range(1, 9):
+        flat.record(1, w, 0.03)
+    flat.record_draft(1, 7, 0.0)
+    assert best_depth([0.5, 0.0, 0.0], flat, 1) == 1  # positions that never pay are not drafted
+
+
 def test_the_draft_gate_backs_off_while_drafts_do_not_pay():
     costs = StepCosts()
-    assert costs.draft_pays(1, 3.0, 4) is None  # nothing measured yet: no opinion
+    assert costs.draft_pays(1, 3.0, 4, 7) is None  # nothing measured yet: no opinion
     costs.record(1, 1, 0.030)
     costs.record(1, 4, 0.040)
-    costs.record_draft(1, 0.010)
-    assert costs.draft_pays(1, 1.6, 4) is False  # 1.6 / 50 ms < 1 / 30 ms
-    assert costs.draft_pays(1, 1.7, 4) is True  # 1.7 / 50 ms > 1 / 30 ms
-    assert costs.draft_pays(1, 1.3, 1) is False  # nothing verified: the pass alone was paid for
-    assert costs.draft_pays(2, 3.0, 4) is None  # another batch size: not measured
+    costs.record_draft(1, 7, 0.010)
+    assert costs.draft_pays(1, 1.6, 4, 7) is False  # 1.6 / 50 ms < 1 / 30 ms
+    assert costs.draft_pays(1, 1.7, 4, 7) is True  # 1.7 / 50 ms > 1 / 30 ms
+    assert costs.draft_pays(1, 1.3, 1, 7) is False  # nothing verified: the pass alone was paid for
+    assert costs.draft_pays(1, 1.7, 4, 3) is True  # an unmeasured shallower pass: the deeper one's cost
+    assert costs.draft_pays(2, 3.0, 4, 7) is None  # another batch size: not measured
     gate = DraftGate(max_skip=8)
     pattern = []
     for pays in [None, False, False, False, False, False, True, False]:
@@ -297,6 +317,9 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4):
     assert max(n for s in states for _, n in s.accepted_per_step) < 15
     assert proposer.gate.skipped > 0
     assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= proposer.gate.skipped
+    # the pass drafts the whole block on probes only, shallower (as deep as pays) in between
+    depths = {d for _, d in proposer.costs.draft}
+    assert 15 in depths and min(depths) < 15
 
 
 def tree_counts(target, proposer, params, nodes, n=3000, batch=500):
