@@ -113,8 +113,9 @@ class Engine:
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
         loaded on first use).
-        `packed` (fp32 on CPU with MKL): multiply verify-sized inputs by prepacked weights
-        (`models.packed`; about 3x each model's weight memory per packed size, made on first use).
+        `packed` (fp32 on CPU): multiply decode- and verify-sized inputs (1-16 rows) through the
+        kernel measured fastest on this CPU per weight shape and row count, on weights packed
+        for it on first use (`models.packed`: plain sgemm, MKL's packed sgemm or oneDNN).
         `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
         target the GGUF file's own values, see `models.quant`); drafters stay fp32.
         `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost

@@ -3,8 +3,9 @@
 1. Tokens/s of our autoregressive path (`--method ar`) vs HF transformers' greedy
    `generate` on the same weights, interleaved prompt by prompt, medians over prompts.
 2. The cost of one target forward that verifies B = 1, 2, 3, 4, 8, 16 tokens (logits at every
-   position), relative to one plain decode step (B = 1), with MKL's ordinary sgemm and
-   with the prepacked weights blockdraft uses on CPU (`blockdraft.models.packed`).
+   position), relative to one plain decode step (B = 1), with each matrix-product kernel
+   forced (plain F.linear, MKL's packed sgemm, oneDNN) and with the default, the fastest
+   kernel measured per weight shape and row count (`blockdraft.models.packed`).
 
     python scripts/engine_costs.py [--max-new-tokens 64] [--repeats 2]
 """
@@ -19,7 +20,7 @@ import time
 import torch
 
 from blockdraft import Engine
-from blockdraft.models.packed import pack_linears, unpack_linears
+from blockdraft.models.packed import available_kernels, kernel_choices, pack_linears, unpack_linears
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -68,27 +69,33 @@ def main():
     prompt = engine.encode(PROMPTS[0] * 4, chat=True)
     cache = target.new_cache(1, len(prompt) + 64)
     blocks = (1, 2, 3, 4, 8, 16)
+    kernels = {"plain": "plain", **{k: k for k in available_kernels() if k != "plain"}, "auto": None}
     times = {}
     with torch.inference_mode():
         target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
-        for _ in range(3):  # interleave block sizes and both kernels so drift hits all alike
-            for packed in (False, True):
-                (pack_linears if packed else unpack_linears)(target)
+        for _ in range(3):  # interleave block sizes and kernels so drift hits all alike
+            for name, kernel in kernels.items():
+                unpack_linears(target)
+                pack_linears(target, kernel=kernel)
                 for b in blocks:
                     toks = torch.randint(0, 49152, (1, b))
                     pos = torch.arange(len(prompt), len(prompt) + b)[None]
-                    for _ in range(7):
+                    for i in range(8):
                         t = time.perf_counter()
                         h, _ = target(toks, pos, cache)
                         target.logits(h).argmax(-1)
-                        times.setdefault((packed, b), []).append(time.perf_counter() - t)
-    base = statistics.median(times[(False, 1)])
-    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[(False, 1)])}, "
-          f"relative to one decode step ({base * 1e3:.1f} ms):")
-    print("  B  | plain sgemm | prepacked (models.packed, the default)")
+                        if i:  # the first run of a kernel packs (and "auto" measures) its weights
+                            times.setdefault((name, b), []).append(time.perf_counter() - t)
+    base = statistics.median(times[("plain", 1)])
+    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[('plain', 1)])}, relative to one "
+          f"decode step with plain F.linear ({base * 1e3:.1f} ms); auto = the default, the fastest kernel "
+          "measured per weight shape and row count:")
+    print("  B  | " + " | ".join(f"{name:>7}" for name in kernels))
     for b in blocks:
-        plain, packed = (statistics.median(times[(p, b)]) for p in (False, True))
-        print(f"  {b:2d} | {plain / base:5.2f} x      | {packed / base:5.2f} x")
+        print(f"  {b:2d} | " + " | ".join(f"{statistics.median(times[(name, b)]) / base:6.2f}x" for name in kernels))
+    print("kernels chosen by auto (out, in, bias, rows): " + ", ".join(
+        f"{o}x{i}@{r}: {k}" for (o, i, _, r), k in sorted(kernel_choices().items())))
+
 
 if __name__ == "__main__":
     main()

@@ -1,32 +1,42 @@
-"""Prepacked matrix products (models.packed): same numbers as F.linear, independent of the
-batch around a row, tied weights and state-dict keys kept, repacked when weights change."""
+"""Matrix products through the kernel measured fastest (models.packed): same numbers as
+F.linear with every kernel, independent of the batch around a row, tied weights and
+state-dict keys kept, repacked when weights change."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.models.packed import PackedLinear, WeightPacks, pack_linears, packing_available, unpack_linears
+from blockdraft.models.packed import (PackedLinear, WeightPacks, available_kernels, kernel_choices,
+                                     pack_linears, packing_available, unpack_linears)
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed sgemm")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no packed kernel")
 
 
+@pytest.mark.parametrize("kernel", [None, "plain", "mkl", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear_for_every_row_count(bias):
+def test_packed_linear_matches_f_linear_for_every_row_count(bias, kernel):
+    if kernel is not None and kernel not in available_kernels():
+        pytest.skip(f"no {kernel} kernel in this torch build")
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias)
-    packed = PackedLinear.wrap(lin, sizes=(8, 16), min_rows=1)
+    packed = PackedLinear.wrap(lin, sizes=(1, 3, 8, 16), min_rows=1, kernel=kernel)
     with torch.inference_mode():
         for rows in range(1, 21):
             x = torch.randn(1, rows, 96)
             torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=2e-5, rtol=1e-5)
-    assert set(packed.packs._packs) == {8, 16}  # 17..20 rows took the ordinary path
+    assert set(packed.packs._kernels) == {1, 3, 8, 16}  # 17..20 rows took the ordinary path
+    chosen = {k for (o, i, b, size), k in kernel_choices().items() if (o, i, b) == (200, 96, bias)}
+    assert kernel is not None or chosen <= set(available_kernels()) and chosen  # measured, then kept
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("kernel", ["plain", "mkl", "onednn"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
+    if kernel not in available_kernels():
+        pytest.skip(f"no {kernel} kernel in this torch build")
     torch.manual_seed(1)
     w = torch.randn(300, 64)
-    packs = WeightPacks(sizes=(8,), min_rows=1)
+    packs = WeightPacks(sizes=(8,), min_rows=1, kernel=kernel)
     x = torch.randn(8, 64)
     with torch.inference_mode():
         together = packs.linear(x, w)
@@ -40,7 +50,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 def test_repacks_when_the_weight_changes_in_place():
     torch.manual_seed(2)
     lin = nn.Linear(32, 40, bias=False)
-    packed = PackedLinear.wrap(lin, sizes=(8,), min_rows=1)
+    packed = PackedLinear.wrap(lin, sizes=(8,), min_rows=1, kernel=available_kernels()[-1])
     x = torch.randn(6, 32)
     with torch.no_grad():
         packed(x)

@@ -1,42 +1,80 @@
-"""Prepacked matrix products for verify-sized inputs on CPU (fp32, MKL builds of torch).
+"""Matrix products for decode- and verify-sized inputs on CPU (fp32): the fastest of three
+kernels per weight shape and row count, chosen by measuring them on this machine.
 
-A decode step multiplies every weight matrix by one row: a matrix-vector product that
-streams the weights once. A verify step multiplies them by a handful of rows (the block's
-tokens), and MKL's sgemm then repacks the whole weight matrix into its panel layout on
-every call; for a few rows that repacking costs more than the arithmetic. On the 2-core
-CPU a forward over 8 tokens took 2.5 decode steps that way. MKL can pack a weight once for
-a fixed row count and reuse the packed copy, which brings the same forward to about 1.5
-decode steps (`python scripts/engine_costs.py` prints both).
+A decode step multiplies every weight matrix by one row; a verify step by a handful of rows
+(the block's tokens). Which kernel does that fastest depends on the CPU, and by a lot:
+- `plain`: `F.linear` (MKL's sgemm / sgemv). On an Intel Xeon it repacks the whole weight
+  into its panel layout on every call, which for 4-16 rows costs more than the arithmetic;
+  on an AMD EPYC its few-row products run at a third of the speed of the others below.
+- `mkl`: MKL's sgemm on a weight packed once for a fixed row count (about 3x the weight's
+  memory per count). On the Intel CPU it brought an 8-token forward from 2.5 to about 1.5
+  decode steps.
+- `onednn`: oneDNN's inner product on a weight reordered once into its blocked layout
+  (the weight's memory once for 2-16 rows). On the AMD CPU the LM head's product over 3 rows takes 10 ms
+  against plain's 42 ms and mkl's 26 ms.
+(`python scripts/engine_costs.py` prints the forward's cost per row count.)
 
 `pack_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` that shares
 its parameters (state-dict keys and tied weights are unchanged). An input of m rows with
-`min_rows <= m <= max(sizes)` is padded with zero rows up to the next packed size and
-multiplied by the weights packed for that size (packed lazily on first use, about 3x the
-weight's memory per size); other inputs take the ordinary path. Each output row depends only
-on its own input row, so results do not depend on what else is in the batch or on the
-padding. Rounding differs from the unpacked product in the last bits, as any change of
-kernel does; verification compares the target's own argmax either way.
+`min_rows <= m <= max(sizes)` goes to the row-count bucket `size`, the next of `sizes` at
+or above m; the first product of a (weight shape, bias, size) times every available kernel
+on that shape (a few runs each, once per process: `kernel_choices()`) and keeps the fastest.
+Every kernel gets the input padded with zero rows up to `size`, so a row's result does not
+depend on what else is in the batch or on the padding.
+Rounding differs between kernels in the last bits, as any change of kernel does;
+verification compares the target's own argmax either way.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-DEFAULT_SIZES = (8, 16)
-DEFAULT_MIN_ROWS = 4  # up to 3 rows the unpacked product is as fast (measured on the 2-core CPU)
+DEFAULT_SIZES = (1, 2, 3, 4, 8, 16)
+DEFAULT_MIN_ROWS = 1
+KERNELS = ("plain", "mkl", "onednn")
+
+# (out features, in features, has bias, row bucket) -> the fastest kernel measured here
+_choices: dict[tuple[int, int, bool, int], str] = {}
 
 
 @functools.cache
-def packing_available() -> bool:
+def mkl_packing_available() -> bool:
     """True when this torch build has MKL's packed sgemm (x86 builds with MKL)."""
     try:
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """True when this torch build has oneDNN's reordered-weight linear (CPU builds with mkldnn)."""
+    try:
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def available_kernels() -> tuple[str, ...]:
+    return tuple(k for k, ok in (("plain", True), ("mkl", mkl_packing_available()),
+                                 ("onednn", onednn_available())) if ok)
+
+
+def packing_available() -> bool:
+    """True when any kernel besides `plain` exists in this torch build."""
+    return len(available_kernels()) > 1
+
+
+def kernel_choices() -> dict[tuple[int, int, bool, int], str]:
+    """The kernels chosen so far: (out features, in features, has bias, rows) -> kernel."""
+    return dict(_choices)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -47,39 +85,102 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-class WeightPacks:
-    """Packed copies of one weight matrix, one per row count, repacked when the weight changes."""
+ONEDNN_HINT = 16  # oneDNN's layout hint for 2+ rows: one reordered copy serves them all as fast
 
-    def __init__(self, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS):
-        self.sizes, self.min_rows = tuple(sorted(sizes)), min_rows
-        self._packs: dict[int, torch.Tensor] = {}
+
+def _pack_key(kernel: str, size: int):
+    """Which packed copy a (kernel, size) product uses: MKL packs per row count; oneDNN's
+    reordered weight is as fast for any 2-16 rows whatever row count it was made for (measured;
+    a copy made for 1 row is slower there), so 2+ rows share one."""
+    if kernel == "mkl":
+        return ("mkl", size)
+    if kernel == "onednn":
+        return ("onednn", 1 if size == 1 else ONEDNN_HINT)
+    return None
+
+
+def _pack(kernel: str, weight: torch.Tensor, size: int):
+    with torch.no_grad():
+        if kernel == "mkl":
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), size)
+        if kernel == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _pack_key(kernel, size)[1])
+    return None
+
+
+def _run(kernel: str, flat: torch.Tensor, pack, weight: torch.Tensor, bias, size: int) -> torch.Tensor:
+    """The product of `flat` [size or fewer rows, in] by the weight through `kernel`."""
+    if kernel == "plain":
+        return F.linear(flat, weight, bias)
+    if kernel == "mkl":
+        return torch.ops.mkl._mkl_linear(flat, pack, weight, bias, size)
+    return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
+
+
+def _measure(weight: torch.Tensor, bias, size: int, runs: int = 5) -> str:
+    """The fastest available kernel for this weight's shape at `size` rows (median of `runs`)."""
+    x = torch.randn(size, weight.shape[1], dtype=weight.dtype)
+    best, best_time = "plain", float("inf")
+    with torch.no_grad():
+        for kernel in available_kernels():
+            pack = _pack(kernel, weight, size)
+            _run(kernel, x, pack, weight, bias, size)  # warm-up
+            times = []
+            for _ in range(runs):
+                t = time.perf_counter()
+                _run(kernel, x, pack, weight, bias, size)
+                times.append(time.perf_counter() - t)
+            if statistics.median(times) < best_time:
+                best, best_time = kernel, statistics.median(times)
+    return best
+
+
+class WeightPacks:
+    """One weight matrix's products per row-count bucket: the kernel measured fastest for its
+    shape (or `kernel` if given), with the weight packed for it, repacked when it changes."""
+
+    def __init__(self, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS, kernel: str | None = None):
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.sizes, self.min_rows, self.kernel = tuple(sorted(sizes)), min_rows, kernel
+        self._kernels: dict[int, str] = {}  # row bucket -> kernel
+        self._packs: dict[tuple, object] = {}  # _pack_key -> packed weight
         self._key = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)`, through a packed weight when the row count allows."""
+        """`F.linear(x, weight, bias)`, through the bucket's kernel when the row count allows."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if rows < self.min_rows:  # decode steps: the common case, decided first
-            return F.linear(x, weight, bias)
-        if (not packing_available() or not self.min_rows <= rows <= self.sizes[-1]
-                or x.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous()
+        if (not self.min_rows <= rows <= self.sizes[-1] or x.dtype != torch.float32 or x.device.type != "cpu"
+                or not weight.is_contiguous()
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, bias)
         size = next(s for s in self.sizes if s >= rows)
+        kernel, pack = self._packed(weight, bias, size)
         flat = x.reshape(rows, x.shape[-1])
         if size != rows:
             flat = torch.cat([flat, flat.new_zeros(size - rows, flat.shape[1])])
-        out = torch.ops.mkl._mkl_linear(flat.contiguous(), self._packed(weight, size), weight, bias, size)
+        out = _run(kernel, flat.contiguous(), pack, weight, bias, size)
         return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
-    def _packed(self, weight: torch.Tensor, size: int) -> torch.Tensor:
+    def _packed(self, weight: torch.Tensor, bias, size: int):
         key = (weight.data_ptr(), tensor_version(weight), tuple(weight.shape))
         if key != self._key:  # another tensor, or edited in place: repack
             self._packs, self._key = {}, key
-        pack = self._packs.get(size)
-        if pack is None:
-            with torch.no_grad():
-                pack = self._packs[size] = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), size)
-        return pack
+        kernel = self._kernels.get(size)
+        if kernel is None:
+            kernel = self.kernel
+            if kernel is None:
+                shape = (weight.shape[0], weight.shape[1], bias is not None, size)
+                kernel = _choices.get(shape)
+                if kernel is None:
+                    kernel = _choices[shape] = _measure(weight, bias, size)
+            if kernel not in available_kernels():
+                kernel = "plain"
+            self._kernels[size] = kernel
+        where = _pack_key(kernel, size)
+        if where is not None and where not in self._packs:
+            self._packs[where] = _pack(kernel, weight, size)
+        return kernel, self._packs.get(where)
 
 
 def _linear_sharing(cls, linear: nn.Linear) -> nn.Linear:
@@ -93,33 +194,36 @@ def _linear_sharing(cls, linear: nn.Linear) -> nn.Linear:
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies small row counts by weights prepacked for MKL."""
+    """An `nn.Linear` whose small row counts go through the kernel measured fastest (`WeightPacks`)."""
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS) -> "PackedLinear":
+    def wrap(cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
+             kernel: str | None = None) -> "PackedLinear":
         new = _linear_sharing(cls, linear)
-        new.packs = WeightPacks(sizes, min_rows)
+        new.packs = WeightPacks(sizes, min_rows, kernel)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packs.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS) -> int:
+def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
+                 kernel: str | None = None) -> int:
     """Swap the fp32 CPU `nn.Linear`s of `model` for `PackedLinear`s; returns how many.
+    `kernel` forces one kernel (`KERNELS`) instead of the fastest measured.
     A module that multiplies by a weight outside an `nn.Linear` (a drafter's share of the
     target's LM head) declares a `head_packs` attribute, which gets a `WeightPacks`.
-    Does nothing (returns 0) where MKL packing is unavailable."""
+    Does nothing (returns 0) where no kernel besides `F.linear` is available."""
     if not packing_available():
         return 0
     swapped = 0
     for parent in list(model.modules()):
         if hasattr(parent, "head_packs"):
-            parent.head_packs = WeightPacks(sizes, min_rows)
+            parent.head_packs = WeightPacks(sizes, min_rows, kernel)
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
-                setattr(parent, name, PackedLinear.wrap(child, sizes, min_rows))
+                setattr(parent, name, PackedLinear.wrap(child, sizes, min_rows, kernel))
                 swapped += 1
     return swapped
 
