@@ -144,16 +144,31 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: 
     keys (masked ones add exact zeros), and probabilities meet values in fixed chunks of keys
     whose partial sums are added in chunk order (a fully masked chunk adds exact zeros).
     Each query's dot products must also not depend on how many queries share the product:
-    MKL's are for many head shapes (SmolLM2's 9 heads / 3 KV heads / 64 dims among them) but
-    not all; `chunked_attention_is_exact` checks a shape."""
+    every product here has at least `_MIN_ROWS` rows (zero-padded), and MKL's are then
+    row-independent for many head shapes (SmolLM2's 9 heads / 3 KV heads / 64 dims among them)
+    but not all; `chunked_attention_is_exact` checks a shape."""
     b, h, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     g = h // kv
-    scores = torch.matmul(q.reshape(b, kv, g * t, d), k.transpose(-1, -2)) * (d ** -0.5)
-    p = torch.softmax(scores + additive, dim=-1)
+    rows = g * t
+    scores = torch.matmul(_at_least_rows(q.reshape(b, kv, rows, d)), k.transpose(-1, -2))[..., :rows, :]
+    p = torch.softmax(scores * (d ** -0.5) + additive, dim=-1)
     n = s // chunk
-    out = torch.matmul(p.view(b, kv, g * t, n, chunk).transpose(2, 3), v.view(b, kv, n, chunk, d)).sum(2)
+    probs = _at_least_rows(p.view(b, kv, rows, n, chunk).transpose(2, 3))
+    out = torch.matmul(probs, v.view(b, kv, n, chunk, d))[..., :rows, :].sum(2)
     return out.view(b, h, t, d)
+
+
+# MKL takes another kernel for products of 1-3 rows on some CPUs (an AVX2 AMD EPYC: a row's dot
+# products then differ in the last bit from the same row among 4+); padding every product that
+# `attend_chunked` makes to this many rows keeps one kernel for a query decoded alone or verified.
+_MIN_ROWS = 16
+
+
+def _at_least_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended (dim -2) up to `_MIN_ROWS`; the caller slices the result back."""
+    short = _MIN_ROWS - x.shape[-2]
+    return x if short <= 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], short, x.shape[-1])], dim=-2)
 
 
 def chunked_attention_is_exact(heads: int, kv_heads: int, head_dim: int, chunk: int, block: int = 16) -> bool:
