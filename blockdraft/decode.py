@@ -418,7 +418,7 @@ class DecodeLoop:
 @torch.inference_mode()
 def generate_steps(target: Transformer, proposer: Proposer, requests: list[Request],
                    block_size: int = 16, states: list[SequenceState] | None = None,
-                   batch_size: int | None = None) -> Iterator[Step]:
+                   batch_size: int | None = None, shared_prefix: list[int] | None = None) -> Iterator[Step]:
     """Run the loop over requests, yielding one `Step` per target forward.
 
     `block_size` is the verified block length: the last committed token plus
@@ -426,6 +426,7 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     slots (default: one per request); when a sequence finishes and requests are still
     waiting, the next one is prefilled into its slot (continuous batching). Final
     outputs accumulate in `states` (pass a list to read them), indexed like `requests`.
+    `shared_prefix`: token ids many prompts start with, prefilled once (`DecodeLoop.share_prefix`).
     """
     if proposer.max_block_size is not None and not 2 <= block_size <= proposer.max_block_size:
         raise BlockdraftError(f"block size {block_size} must be between 2 and the drafter's "
@@ -437,6 +438,8 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     batch = min(batch_size or len(requests), len(requests))
     loop = DecodeLoop(target, proposer, block_size, batch, max_len)
     t0 = clock(target.device)
+    if shared_prefix:
+        loop.share_prefix(shared_prefix)
     new_ids = loop.admit([(i, requests[i], states[i]) for i in range(batch)])
     elapsed = clock(target.device) - t0
     waiting = batch  # index of the next request to start

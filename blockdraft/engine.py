@@ -205,7 +205,7 @@ class Engine:
     def generate(self, prompts, *, chat: bool = False, method: str = "dflash", max_new_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: str | list[str] | None = None, block_size: int | None = None,
-                 proposer: Proposer | None = None,
+                 proposer: Proposer | None = None, shared_prefix: list[int] | None = None,
                  on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None):
         """Generate for one prompt (returns a `Generation`) or a list of them (returns a list).
 
@@ -215,6 +215,8 @@ class Engine:
         uses seed + i). `on_text(i, delta)` receives new text of prompt i as it is accepted.
         Setting `cancel` (a threading.Event) ends generation after the current step; the
         results then hold what was generated so far (finish reason "abort").
+        `shared_prefix`: token ids that many of the prompts start with, prefilled once and
+        copied into their rows (outputs equal up to floating-point rounding).
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
@@ -229,7 +231,8 @@ class Engine:
         states: list[SequenceState] = []
         steps = []
         t0 = time.perf_counter()
-        for step in generate_steps(self.target, proposer, [r.request for r in rows], block_size, states):
+        for step in generate_steps(self.target, proposer, [r.request for r in rows], block_size, states,
+                                   shared_prefix=shared_prefix):
             steps.append(step)
             if cancel is not None and cancel.is_set():
                 for state in states:

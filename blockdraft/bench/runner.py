@@ -187,7 +187,7 @@ def distribution_check(engine, methods: list[str], records: list[dict], *, sampl
     """At temperature > 0 the output distribution must stay the target's: the tokens at the
     first `positions` positions of `samples` seeded runs of each method are compared with
     `ar` run on other seeds (two-sample chi-square, 0.1% level). The prompt is the shortest
-    first turn of `records` (every sample prefills it)."""
+    first turn of `records` (prefilled once, its keys and values copied into every sample's row)."""
     shortest = min((r["turns"][0] for r in records), key=len)
     ids = engine.encode_chat([{"role": "user", "content": shortest}])
 
@@ -217,7 +217,8 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
     for start in range(0, n, 100):
         rows = min(100, n - start)
         gens = engine.generate([list(ids)] * rows, method=m.kind, block_size=m.block if m.speculative else None,
-                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start)
+                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start,
+                               shared_prefix=list(ids[:-1]))
         outs += [g.token_ids for g in gens]
     return outs
 
