@@ -178,7 +178,6 @@ def test_the_consistency_checks_catch_the_classic_bugs(tiny_corpus, tmp_path, mo
         check_label_consistency(trainer, prompts, answers)
 
 
-@pytest.mark.slow
 def test_overfit_drafter_accepts_nearly_whole_blocks_in_the_real_decode_loop(tiny_corpus, tmp_path):
     root, _, prompts, _ = tiny_corpus
     cfg = tiny_config(root, tmp_path / "run", max_steps=200, save_every=10_000, log_every=50)
@@ -214,7 +213,6 @@ def drafter_weights(folder):
     return DFlashDrafter.load(folder).state_dict()
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_corpus, tmp_path):
     root = tiny_corpus[0]
     straight = train_cli(root, tmp_path / "straight")
@@ -239,7 +237,6 @@ def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny
     assert steps == list(range(1, 13))  # no step lost or logged twice
 
 
-@pytest.mark.slow
 def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
     root = tiny_corpus[0]
     proc = train_cli(root, tmp_path / "ddp", nproc=2)
@@ -300,7 +297,6 @@ def test_draft_vocabulary_covers_the_answers_and_survives_a_round_trip(tiny_corp
     assert set(ids.tolist()) <= vocab
 
 
-@pytest.mark.slow
 def test_overfit_eagle_drafter_accepts_long_chains(tiny_corpus, tmp_path):
     from blockdraft.eagle import EagleDrafter
     from blockdraft.proposers import EagleProposer
