@@ -26,6 +26,21 @@ PROMPTS = [
 ]
 
 
+def computed_once(tmp_path_factory, name: str, compute):
+    """`compute()` (JSON-serialisable) once per test run, shared by the pytest-xdist workers
+    through a file in their common temporary folder (each worker alone would compute it)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / f"{name}.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     return default_target_dir()

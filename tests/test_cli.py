@@ -21,6 +21,14 @@ def cli(*args, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def run_main(capsys, *args):
+    """The same command in this process, without a torch start-up: (exit code, stderr)."""
+    from blockdraft.cli import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, random_drafter):
     path = tmp_path_factory.mktemp("drafts") / "random"
@@ -59,25 +67,32 @@ def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
     (["--tree-budget", "4", "--method", "lookup"], "--tree-budget applies to method dflash-tree"),
     (["--tree-budget", "0"], "--tree-budget must be at least 1"),
 ])
-def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir):
+def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir, capsys):
+    """The first case runs as a real process (exit code 2, no traceback on stderr); the others
+    call the same `main` in this process (an exception other than the one-line error would fail
+    the test just the same)."""
     prompt = "Hello"
     if args[0] == "--prompt-override":
         prompt, args = args[1], []
-    code, out, err = cli("generate", "--prompt", prompt, "--draft", str(draft_dir), *args)
+    argv = ["generate", "--prompt", prompt, "--draft", str(draft_dir), *args]
+    if args[:1] == ["--target"]:
+        code, _, err = cli(*argv)
+    else:
+        code, err = run_main(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
-def test_mismatched_drafter_and_unsupported_target_are_clear_errors(tmp_path, draft_dir):
+def test_mismatched_drafter_and_unsupported_target_are_clear_errors(tmp_path, draft_dir, capsys):
     torch.manual_seed(0)
     wrong = DraftConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, intermediate_size=96, vocab_size=1000, num_target_layers=30,
                         target_layer_ids=[15], mask_token_id=4, block_size=8)
     DFlashDrafter(wrong).save(tmp_path / "wrong")
-    code, _, err = cli("generate", "--prompt", "Hi", "--draft", str(tmp_path / "wrong"))
+    code, err = run_main(capsys, "generate", "--prompt", "Hi", "--draft", str(tmp_path / "wrong"))
     assert code == 2 and "hidden size 64 != target's 576" in err and "vocab size 1000" in err
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
-    code, _, err = cli("generate", "--prompt", "Hi", "--target", str(tmp_path / "gpt2"), "--method", "ar")
+    code, err = run_main(capsys, "generate", "--prompt", "Hi", "--target", str(tmp_path / "gpt2"), "--method", "ar")
     assert code == 2 and "unsupported architecture 'gpt2'" in err
 
 

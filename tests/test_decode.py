@@ -13,20 +13,24 @@ from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Proposer
 
+from .conftest import computed_once
+
 N_NEW = 24
 TIE_GAP = 1e-4
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf_smol, chat_ids):
+def hf_greedy(hf_smol, chat_ids, tmp_path_factory):
     """HF's own greedy continuation of each prompt (stopping at <|im_end|> like ours)."""
-    refs = []
-    for ids in chat_ids:
-        with torch.no_grad():
-            out = hf_smol.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
-                                   eos_token_id=2, pad_token_id=2)
-        refs.append(out[0, len(ids):].tolist())
-    return refs
+    def generate():
+        refs = []
+        for ids in chat_ids:
+            with torch.no_grad():
+                out = hf_smol.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                       eos_token_id=2, pad_token_id=2)
+            refs.append(out[0, len(ids):].tolist())
+        return refs
+    return computed_once(tmp_path_factory, "hf_greedy", generate)
 
 
 class RiggedProposer(DFlashProposer):

@@ -18,7 +18,7 @@ from blockdraft.proposers import DFlashProposer, Proposer
 from blockdraft.sampling import SamplingParams
 from blockdraft.tree import DraftTree, build_tree
 
-from .test_decode import assert_same_or_tie
+from .test_decode import assert_same_or_tie, hf_greedy  # noqa: F401
 from .test_sampling import CASES, L, PROMPT, chi_square, exact_distribution, tiny  # noqa: F401
 
 N_NEW = 24
@@ -214,8 +214,11 @@ def run(target, proposer, prompts, block, max_new=N_NEW, stop=(2,)):
 @pytest.fixture(scope="module")
 def greedy4(smol, chat_ids):
     """Four prompts of very different lengths and our own greedy answers to them."""
-    prompts = [chat_ids[i] for i in (4, 9, 0, 5)]
+    prompts = [chat_ids[i] for i in GREEDY4]
     return prompts, [s.output_ids for s in run(smol, Proposer(), prompts, 1)]
+
+
+GREEDY4 = (4, 9, 0, 5)
 
 
 @pytest.mark.parametrize("rank,probs,nodes", [
@@ -224,15 +227,13 @@ def greedy4(smol, chat_ids):
     (1, (0.6, 0.3, 0.1), 24),  # the right token always second
     (2, (1 / 3, 1 / 3, 1 / 3), 12),  # ties inside the top-k, the right one third
 ], ids=["perfect", "wrong", "second", "ties"])
-def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, random_drafter, greedy4, rank, probs, nodes):
+def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_drafter, greedy4, rank, probs,
+                                              nodes):
     prompts, truths = greedy4
     proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], rank, probs)
     states = run(smol, proposer, prompts, nodes + 1)
-    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+    for k, (p, out, truth, ref) in enumerate(zip(prompts, states, truths, [hf_greedy[i] for i in GREEDY4])):
         assert out.output_ids == truth, f"row {k}"
-        with torch.no_grad():
-            ref = hf_smol.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=2,
-                                   pad_token_id=2)[0, len(p):].tolist()
         assert_same_or_tie(hf_smol, p, out.output_ids, ref, f"tree {rank} row {k}")
         steps = out.acceptance_lengths[:-1]  # the last step is cut by the answer's end
         if rank is None:
