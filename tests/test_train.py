@@ -472,3 +472,21 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
         loss.backward()
         results.append((loss.detach(), hidden.grad, correct))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_training_data_from_several_folders(tiny_corpus, tmp_path):
+    """`--data A,B` trains on both folders' samples, including a second answer to a prompt that
+    A answered already (same id, other folder); a missing folder is a clear error."""
+    import shutil
+
+    from blockdraft.errors import BlockdraftError
+
+    root = tiny_corpus[0]
+    second = tmp_path / "sampled"
+    shutil.copytree(root / "data", second)
+    one = Trainer(tiny_config(root, tmp_path / "one"))
+    both = Trainer(tiny_config(root, tmp_path / "both", data=f"{root / 'data'},{second}"))
+    assert len(one.samples) == 16 and len(both.samples) == 32
+    assert [s[0] for s in both.samples] == [s[0] for s in one.samples] * 2
+    with pytest.raises(BlockdraftError, match="training data folder not found: .*missing"):
+        Trainer(tiny_config(root, tmp_path / "bad", data=f"{root / 'data'},{tmp_path / 'missing'}"))

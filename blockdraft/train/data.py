@@ -151,19 +151,28 @@ def shard_paths(folder: Path) -> list[Path]:
     return [gz.get(i) or plain[i] for i in sorted(set(gz) | set(plain))]
 
 
-def iter_samples(folder: str | Path, split: str | None = None) -> Iterator[dict]:
-    """Every complete sample written so far (first copy of an id only), in shard order."""
-    seen = set()
-    for shard in shard_paths(Path(folder)):
-        for line in _shard_lines(shard):
-            if not line.strip():
-                continue
-            sample = json.loads(line)
-            if sample["id"] in seen:
-                continue
-            seen.add(sample["id"])
-            if split is None or sample["split"] == split:
-                yield sample
+def data_folders(spec: str | Path) -> list[Path]:
+    """The folders of regenerated shards that `spec` names: one, or several separated by commas
+    (e.g. greedy answers and sampled answers to the same prompts, regenerated into two folders)."""
+    return [Path(part.strip()) for part in str(spec).split(",") if part.strip()]
+
+
+def iter_samples(folders: str | Path, split: str | None = None) -> Iterator[dict]:
+    """Every complete sample written so far in `folders` (`data_folders`), folder by folder in
+    shard order; the first copy of an id only, within a folder (two folders may answer one
+    prompt twice)."""
+    for folder in data_folders(folders):
+        seen = set()
+        for shard in shard_paths(folder):
+            for line in _shard_lines(shard):
+                if not line.strip():
+                    continue
+                sample = json.loads(line)
+                if sample["id"] in seen:
+                    continue
+                seen.add(sample["id"])
+                if split is None or sample["split"] == split:
+                    yield sample
 
 
 def tidy_shards(folder: Path):

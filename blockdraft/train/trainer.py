@@ -35,12 +35,12 @@ from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
 from ..proposers import proposer_for
 from .blocks import IGNORE, build_blocks
-from .data import iter_samples
+from .data import data_folders, iter_samples
 
 
 @dataclass
 class TrainConfig:
-    data: str  # folder of regenerated shards
+    data: str  # folder of regenerated shards, or several separated by commas
     out: str  # run folder: checkpoint/, drafter/, metrics.jsonl
     target: str | None = None  # default: the default target
     block_size: int = 8
@@ -300,8 +300,10 @@ class Trainer:
 
     def _load_samples(self):
         cfg = self.cfg
-        if not Path(cfg.data).is_dir():
-            raise BlockdraftError(f"training data folder not found: {cfg.data} (make it with `blockdraft data regenerate`)")
+        for folder in data_folders(cfg.data):
+            if not folder.is_dir():
+                raise BlockdraftError(f"training data folder not found: {folder} "
+                                      "(make it with `blockdraft data regenerate`)")
         train, valid = [], []
         for s in iter_samples(cfg.data):
             seq = (s["prompt_ids"] + s["answer_ids"])[: cfg.max_seq_len]
