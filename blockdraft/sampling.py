@@ -61,28 +61,74 @@ def position_uniforms(seeds: list[int], positions: torch.Tensor) -> torch.Tensor
     return torch.from_numpy((bits >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
+CANDIDATES = 256  # tokens ranked first for top-p; more only for rows whose nucleus is wider
+
+
+def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                candidates: int = CANDIDATES) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens each row can sample and their probabilities: temperature, then top-k, then
+    top-p (HF's order). logits [N, V]; per-row temperature (> 0), top_p, top_k (0 = off) as [N]
+    tensors. Returns (ids [N, C], float64 probs [N, C]): row n samples token ids[n, c] with
+    probability probs[n, c], each row ascending by token id (padding, at the end, has
+    probability 0); ids is None when C is the whole vocabulary in order (no row truncates).
+    Scores (logits / temperature) are float32 as the target's logits, probabilities float64.
+
+    Top-p never sorts the whole vocabulary: only the `candidates` most likely tokens are ranked,
+    and the count doubles for the rows whose top-p mass lies beyond them. Every token outside the
+    ranked set has at least the whole ranked set's mass above it, so once that mass reaches top_p
+    the nucleus is exactly the one a full sort gives."""
+    x = logits.float() / temperature.float()[:, None]
+    n, vocab = x.shape
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    nucleus = top_p < 1
+    width = torch.full((n,), vocab)  # tokens left after top-k
+    if bool((k < vocab).any()):  # top-k as HF does it: drop what is below the k-th value (ties stay)
+        kth = x.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+        width = (x > float("-inf")).sum(-1)
+    elif not bool(nucleus.any()):
+        return None, torch.softmax(x.double(), dim=-1)
+    top = x.max(-1, keepdim=True).values
+    lse = top.double() + (x - top).exp_().sum(-1, keepdim=True).double().log()
+    # rows without top-p rank all their tokens, top-p rows start from `candidates`
+    count = torch.where(nucleus, width.clamp(max=candidates), width)
+    rows = torch.arange(n)
+    ids = probs = None
+    while len(rows):
+        c = min(vocab, int(count[rows].max()))
+        vals, got = x[rows].topk(c, dim=-1)  # descending
+        p = torch.exp(vals.double() - lse[rows])
+        before = p.cumsum(-1) - p  # mass strictly above each token
+        drop = (before >= top_p[rows].double()[:, None]) & nucleus[rows, None]
+        drop[:, 0] = False
+        unresolved = nucleus[rows] & (width[rows] > c) & (before[:, -1] + p[:, -1] < top_p[rows].double())
+        if c < vocab and bool(unresolved.any()):
+            done = ~unresolved
+            count[rows[unresolved]] = 2 * c
+        else:
+            done = torch.ones(len(rows), dtype=torch.bool)
+        p = p.masked_fill(drop, 0.0)[done]
+        got = got[done]
+        if ids is None:
+            ids = torch.zeros(n, c, dtype=got.dtype)
+            probs = torch.zeros(n, c, dtype=torch.float64)
+        elif c > ids.shape[1]:  # widen: the earlier rows' padding has probability 0
+            ids = torch.cat([ids, torch.zeros(n, c - ids.shape[1], dtype=ids.dtype)], 1)
+            probs = torch.cat([probs, torch.zeros(n, c - probs.shape[1], dtype=torch.float64)], 1)
+        got, order = got.sort(dim=-1)
+        probs[rows[done], :c] = p.gather(-1, order) / p.sum(-1, keepdim=True)
+        ids[rows[done], :c] = got
+        rows = rows[~done]
+    return ids, probs
+
+
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  top_k: torch.Tensor) -> torch.Tensor:
-    """Distribution the target samples from: temperature, then top-k, then top-p (HF's order).
-
-    logits [N, V]; per-row temperature (> 0), top_p, top_k (0 = off) as [N] tensors. Returns float64 [N, V].
-    """
-    logits = logits.double() / temperature.double()[:, None]
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if bool((k < vocab).any()):
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        drop = before >= top_p.double()[:, None]
-        drop[:, 0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    """`kept_tokens` as a dense float64 [N, V] table (zeros outside each row's kept set)."""
+    ids, probs = kept_tokens(logits, temperature, top_p, top_k)
+    if ids is None:
+        return probs
+    return torch.zeros(logits.shape, dtype=torch.float64).scatter_add_(-1, ids, probs)
 
 
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -98,15 +144,20 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[Sa
     def per_row(values, dtype):
         return torch.tensor(values, dtype=dtype).repeat_interleave(t)
 
-    probs = target_probs(
+    ids, probs = kept_tokens(
         logits[sel].reshape(b * t, v).cpu(),
         per_row([params[r].temperature for r in rows], torch.float64),
         per_row([params[r].top_p for r in rows], torch.float64),
         per_row([params[r].top_k for r in rows], torch.long),
     )
     u = position_uniforms([params[r].seed for r in rows], positions[sel]).reshape(b * t, 1)
+    # inverse CDF in token-id order; tokens outside the kept set add nothing to the CDF
     cdf = probs.cumsum(-1)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=v - 1)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    last = torch.where(probs > 0, torch.arange(probs.shape[1]), -1).max(-1, keepdim=True).values
+    picked = torch.minimum(picked, last)  # u * total rounded up to the total: the last kept token
+    if ids is not None:
+        picked = ids.gather(-1, picked)
     tokens[sel] = picked.view(b, t).to(tokens.device)
     return tokens
 

@@ -12,7 +12,7 @@ from blockdraft.decode import Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Proposer
-from blockdraft.sampling import SamplingParams, target_probs
+from blockdraft.sampling import SamplingParams, kept_tokens, position_uniforms, sample_tokens, target_probs
 
 from .conftest import save_tiny_hf
 
@@ -121,6 +121,55 @@ def test_target_probs_match_hf_logits_warpers():
             ref = TopPLogitsWarper(p)(None, ref)
         ours = target_probs(logits, torch.full((4,), t), torch.full((4,), p), torch.full((4,), k))
         torch.testing.assert_close(ours.float(), torch.softmax(ref, -1), atol=1e-6, rtol=1e-5)
+
+
+def full_sort_probs(logits, t, p, k):
+    """Oracle: temperature, top-k by threshold, top-p over the fully sorted vocabulary."""
+    x = logits.double() / t
+    if k:
+        x = x.masked_fill(x < x.topk(k, dim=-1).values[:, -1:], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= p
+    drop[:, 0] = False
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("candidates", [4, 64, 256])
+def test_top_p_ranks_few_tokens_and_keeps_the_full_sort_nucleus(candidates):
+    torch.manual_seed(1)
+    vocab = 3000
+    # rows from peaked to nearly flat, so some nuclei need far more than `candidates` tokens
+    logits = torch.randn(8, vocab) * torch.tensor([8.0, 4, 2, 1, 0.5, 0.2, 0.05, 3])[:, None]
+    for t, p, k in [(1.0, 0.9, 0), (0.8, 0.95, 0), (1.3, 0.5, 0), (1.0, 0.99, 40), (0.7, 1.0, 7), (1.0, 0.3, 2000)]:
+        row = lambda x: torch.full((8,), x, dtype=torch.float64)  # noqa: E731
+        ids, probs = kept_tokens(logits, row(t), row(p), torch.full((8,), k), candidates=candidates)
+        for r in range(8):  # the kept tokens ascend by id; padding (at the end) has probability 0
+            kept = ids[r][probs[r] > 0]
+            assert bool((kept.diff() > 0).all())
+        dense = torch.zeros(8, vocab, dtype=torch.float64).scatter_add_(-1, ids, probs)
+        ref = full_sort_probs(logits, t, p, k)
+        assert torch.equal(dense > 0, ref > 0), (t, p, k)  # the very same kept set
+        torch.testing.assert_close(dense, ref, rtol=1e-5, atol=1e-9)
+        if k == 0 and p >= 0.9:  # the near-flat row's nucleus lies far beyond the first ranking
+            assert int((ref[6] > 0).sum()) > 4 * candidates
+
+
+def test_sample_tokens_draw_by_inverse_cdf_in_token_order():
+    torch.manual_seed(2)
+    vocab, b, t = 500, 3, 5
+    logits = torch.randn(b, t, vocab) * 2
+    positions = torch.arange(t).repeat(b, 1) + 10
+    params = [SamplingParams(0.9, top_p=0.8, seed=1), SamplingParams(1.2, seed=2), SamplingParams(0.6, top_k=5, seed=3)]
+    got = sample_tokens(logits, positions, params)
+    for r, sp in enumerate(params):
+        ref = full_sort_probs(logits[r], sp.temperature, sp.top_p, sp.top_k)
+        cdf = ref.cumsum(-1)
+        u = position_uniforms([sp.seed], positions[r:r + 1])[0]
+        want = [int(torch.searchsorted(cdf[i], u[i] * cdf[i, -1], right=True)) for i in range(t)]
+        assert got[r].tolist() == want
+        assert all(ref[i, tok] > 0 for i, tok in enumerate(want))
 
 
 def test_sampled_smollm2_is_reproducible_and_identical_across_methods(smol, chat_ids, random_drafter):
