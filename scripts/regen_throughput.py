@@ -1,7 +1,7 @@
 """Sustained regeneration speed: answer tokens per second at several batch sizes.
 
-Each batch size runs the real continuously batched loop (greedy, the default prompt mix, answers up
-to --max-new-tokens). The rate is measured over --window seconds that start once the batch has
+Each batch size runs the real continuously batched loop (greedy unless --temperature, the default
+prompt mix, answers up to --max-new-tokens). The rate is measured over --window seconds that start once the batch has
 turned over (as many samples finished as there are rows), so rows are at mixed stages and the first
 fill does not distort it. Answer tokens are what regeneration produces; the prompt tokens
 prefilled alongside are reported too (they cost about as much per token).
@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--mix", help="prompt sources (default: the regenerate default)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled answers (default: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", help="write the answers into this data folder (resumable, as `data regenerate`)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", type=int, metavar="ROWS",
@@ -76,7 +78,8 @@ def main():
             return bool(turned) and stats.seconds - turned[0] >= args.window
 
         common = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, max_prompt_tokens=args.max_prompt_tokens,
-                      until=until, share_prefix=not args.no_share_prefix)
+                      until=until, share_prefix=not args.no_share_prefix, temperature=args.temperature,
+                      top_p=args.top_p)
         if args.out:
             stats = regenerate(engine, args.out, mix=args.mix, progress=False, **common)
         else:
@@ -92,6 +95,7 @@ def main():
                           "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d"), "mix": parse_mix(args.mix), "max_new_tokens": args.max_new_tokens,
               "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window,
+              "temperature": args.temperature, "top_p": args.top_p,
               "shared_prefix": not args.no_share_prefix, "results": rows}
     if args.json:
         with open(args.json, "w") as f:
