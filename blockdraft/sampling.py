@@ -87,7 +87,7 @@ def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
         x = x.masked_fill(x < kth, float("-inf"))
         width = (x > float("-inf")).sum(-1)
     elif not bool(nucleus.any()):
-        return None, torch.softmax(x.double(), dim=-1)
+        return None, torch.softmax(x, dim=-1).double()
     top = x.max(-1, keepdim=True).values
     lse = top.double() + (x - top).exp_().sum(-1, keepdim=True).double().log()
     # rows without top-p rank all their tokens, top-p rows start from `candidates`
@@ -134,10 +134,13 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The target's token at every position. logits [B, T, V] predict the tokens at
     `positions` [B, T]; row b uses params[b] (greedy rows take the argmax)."""
-    tokens = logits.argmax(-1)
     rows = [b for b, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens
+    if len(rows) < len(params):
+        tokens = logits.argmax(-1)
+        if not rows:
+            return tokens
+    else:
+        tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
     b, t, v = len(rows), logits.shape[1], logits.shape[2]
     sel = torch.tensor(rows, device=logits.device)
 
@@ -153,9 +156,8 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[Sa
     u = position_uniforms([params[r].seed for r in rows], positions[sel]).reshape(b * t, 1)
     # inverse CDF in token-id order; tokens outside the kept set add nothing to the CDF
     cdf = probs.cumsum(-1)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    last = torch.where(probs > 0, torch.arange(probs.shape[1]), -1).max(-1, keepdim=True).values
-    picked = torch.minimum(picked, last)  # u * total rounded up to the total: the last kept token
+    # u <= 1 - 2**-53, so u * total < total in float64 and the first CDF entry above it is a kept token
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
     if ids is not None:
         picked = ids.gather(-1, picked)
     tokens[sel] = picked.view(b, t).to(tokens.device)
