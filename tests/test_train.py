@@ -490,3 +490,63 @@ def test_training_data_from_several_folders(tiny_corpus, tmp_path):
     assert [s[0] for s in both.samples] == [s[0] for s in one.samples] * 2
     with pytest.raises(BlockdraftError, match="training data folder not found: .*missing"):
         Trainer(tiny_config(root, tmp_path / "bad", data=f"{root / 'data'},{tmp_path / 'missing'}"))
+
+
+@pytest.mark.parametrize("arch", ["dflash", "eagle3"])
+def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_same_way(tiny_corpus, tmp_path, arch):
+    """With --feature-cache, epoch 1 runs the target and stores each sample's features; later
+    steps read them back (no target forward). A second run on the full cache trains bit for bit
+    like the first, and the stored features are the target's own (float16 rounding)."""
+    root, target, prompts, answers = tiny_corpus
+    extra = dict(arch="eagle3", target_layer_ids=[1, 2, 3]) if arch == "eagle3" else {}
+
+    def trained(out):
+        trainer = Trainer(tiny_config(root, out, max_steps=8, feature_cache=str(tmp_path / "cache"), **extra))
+        calls = []
+        forward = trainer.target.forward
+
+        def counting(*args, **kw):
+            calls.append(kw.get("features_only", False))
+            return forward(*args, **kw)
+
+        trainer.target.forward = counting
+        trainer.run()
+        return trainer, sum(calls)  # the training forwards (features only; the τ check decodes)
+
+    first, first_calls = trained(tmp_path / "first")
+    assert first_calls == 4  # 16 samples, 4 per step: one epoch of target forwards, then none
+    assert (first.features.hits, first.features.misses, len(first.features)) == (4, 4, 16)
+    second, second_calls = trained(tmp_path / "second")
+    assert second_calls == 0 and second.features.hits == 8
+    a, b = first.drafter.state_dict(), second.drafter.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    from blockdraft.train.features import sequence_key
+
+    seq = prompts[0] + answers[0]
+    with torch.no_grad():
+        _, fresh = target(torch.tensor([seq]), torch.arange(len(seq))[None],
+                          capture=tuple(first.drafter.config.target_layer_ids), features_only=True)
+    stored = first.features.get([sequence_key(seq)], len(seq), "cpu")
+    assert stored is not None and not torch.equal(stored, fresh)  # rounded, ...
+    torch.testing.assert_close(stored, fresh, rtol=1e-3, atol=1e-3)  # ... to float16
+    first.features.close()
+    second.features.close()
+
+
+def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(tiny_corpus, tmp_path):
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.train.features import FeatureCache
+
+    root, target, prompts, answers = tiny_corpus
+    cache = tmp_path / "cache"
+    trainer = Trainer(tiny_config(root, tmp_path / "run", max_steps=2, feature_cache=str(cache)))
+    trainer.run()
+    trainer.features.close()
+    with open(cache / "index-rank0.jsonl", "a") as f:
+        f.write('["abc", 12')  # a crash in the middle of a line
+    assert len(FeatureCache(cache, target, [3])) == 8
+    with pytest.raises(BlockdraftError, match="made for another layers"):
+        FeatureCache(cache, target, [1, 3])
+    with pytest.raises(BlockdraftError, match="soft labels"):
+        Trainer(tiny_config(root, tmp_path / "soft", feature_cache=str(cache), distill=0.5))

@@ -36,6 +36,7 @@ from ..models import eos_token_ids, load_target
 from ..proposers import proposer_for
 from .blocks import IGNORE, build_blocks
 from .data import data_folders, iter_samples
+from .features import sequence_key
 
 
 @dataclass
@@ -79,6 +80,7 @@ class TrainConfig:
     init: str = "random"  # random | target-first | target-last | target-last-fc (see init_from_target)
     draft_vocab: int = 0  # >0: the drafter scores only the N most frequent answer tokens (0: all)
     limit_samples: int | None = None
+    feature_cache: str | None = None  # folder: the target's features kept on disk across epochs (features.py)
     extra: dict = field(default_factory=dict)
 
 
@@ -288,6 +290,15 @@ class Trainer:
                                                          self.drafter.draft_vocab.numel(), self.target.config.vocab_size))
             self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
+        self.features = None
+        if cfg.feature_cache:
+            if cfg.distill > 0 and cfg.arch == "dflash":
+                raise BlockdraftError("--feature-cache keeps only the context features; soft labels (--distill) "
+                                      "need the target's full forward every step")
+            from .features import FeatureCache
+
+            self.features = FeatureCache(cfg.feature_cache, self.target, self.drafter.config.target_layer_ids,
+                                         self.rank)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         if resume and (self.out / "checkpoint" / "state.json").is_file():
@@ -396,8 +407,17 @@ class Trainer:
         with torch.no_grad():
             positions = torch.arange(width, device=dev).expand(n, -1)
             soft = self.cfg.distill > 0 and self.cfg.arch == "dflash"
-            final, features = self.target(tokens, positions, capture=tuple(self.drafter.config.target_layer_ids),
-                                          features_only=not soft)
+            features = None
+            if self.features is not None:  # read them back, or compute, store and round them as stored
+                lengths = batch.lengths.tolist()
+                keys = [sequence_key(batch.tokens[i, :lengths[i]].tolist()) for i in range(n)]
+                features = self.features.get(keys, width, dev, self.dtype)
+            if features is None:
+                final, features = self.target(tokens, positions, capture=tuple(self.drafter.config.target_layer_ids),
+                                              features_only=not soft)
+                if self.features is not None:
+                    self.features.put(keys, features, lengths)
+                    features = features.half().to(features.dtype)
             if soft:  # position p + k is predicted by the target's state at p + k - 1
                 before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
                 teacher = final[torch.arange(n, device=dev)[:, None], before]
@@ -517,7 +537,7 @@ class Trainer:
         ck = self.out / "checkpoint"
         state = json.loads((ck / "state.json").read_text())
         defaults = asdict(TrainConfig(data="", out=""))  # settings added since the checkpoint was made
-        skip = ("max_steps", "eval_every", "save_every", "data", "out")
+        skip = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache")
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
         now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
         if saved != now:
@@ -579,6 +599,9 @@ class Trainer:
                     torch.distributed.barrier()
         bar.close()
         self.elapsed, self._t0 = self.elapsed + time.perf_counter() - self._t0, time.perf_counter()
+        if self.features is not None and self.rank == 0:
+            print(f"train: feature cache {self.features.folder}: {len(self.features)} samples, "
+                  f"{self.features.hits} steps read it, {self.features.misses} ran the target", file=sys.stderr)
         if self.step < cfg.max_steps:  # stopped at `until`: the checkpoint holds the state
             return
         if self.world > 1:  # DDP must leave every process with the same weights

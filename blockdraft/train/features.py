@@ -1,0 +1,126 @@
+"""The target's context features cached on disk, so that epochs after the first skip the target.
+
+A training step spends most of its time in the frozen target's forward (on the default target
+on a 2-core CPU, 70% of a DFlash step and 82% of an EAGLE-3 step; README, "Training"), and that
+forward gives the same features for a sample every epoch. With a cache, the first time a sample is trained on its features (the captured
+layers, concatenated) are written to disk in float16; later steps read them back instead. The
+drafter always trains on the float16-rounded features, computed or read, so a run trains the
+same way whether the cache was empty or full.
+
+Layout of a cache folder: `meta.json` (the target's fingerprint, the captured layers, the
+feature width), and per training process `features-rankR.bin` (float16 rows appended) with
+`index-rankR.jsonl` (one line per sample: its key, byte offset, row count; a line is written
+only once its rows are on disk). A sample's key is a hash of its token ids, so the cache serves
+any data folders, sample limits and orders that contain the same sequences; a cache built for
+another target or other layers is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import BlockdraftError
+
+FP16_MAX = 65504.0
+
+
+def sequence_key(tokens) -> str:
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+
+
+def target_fingerprint(target) -> str:
+    """A hash of the target's config and of a slice of its embedding and of its last layer's weights."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(target.config.to_dict() if hasattr(target.config, "to_dict") else vars(target.config),
+                        sort_keys=True, default=str).encode())
+    for p in (target.model.embed_tokens.weight, next(target.model.layers[-1].parameters())):
+        h.update(p.detach().float().flatten()[:65536].cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class FeatureCache:
+    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.width = len(layer_ids) * target.config.hidden_size
+        meta = {"format": 1, "target": target_fingerprint(target), "layers": [int(i) for i in layer_ids],
+                "width": self.width, "dtype": "float16"}
+        path = self.folder / "meta.json"
+        if path.is_file():
+            have = json.loads(path.read_text())
+            if have != meta:
+                what = [k for k in meta if have.get(k) != meta[k]]
+                raise BlockdraftError(f"--feature-cache {self.folder}: made for another {' and '.join(what)}; "
+                                      "use an empty folder")
+        else:
+            path.write_text(json.dumps(meta, indent=2) + "\n")
+        self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file name, byte offset, rows)
+        for index in sorted(self.folder.glob("index-rank*.jsonl")):
+            data = index.name.replace("index-", "features-").replace(".jsonl", ".bin")
+            size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
+            for line in index.read_text().splitlines():
+                try:
+                    key, offset, rows = json.loads(line)
+                except (ValueError, TypeError):
+                    continue  # a line torn by a crash
+                if offset + rows * self.width * 2 <= size:
+                    self.index[key] = (data, offset, rows)
+        self._data_name = f"features-rank{rank}.bin"
+        self._data = open(self.folder / self._data_name, "ab")
+        self._index = open(self.folder / f"index-rank{rank}.jsonl", "a")
+        self._readers: dict[str, int] = {}
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def get(self, keys: list[str], width: int, device, dtype=torch.float32) -> torch.Tensor | None:
+        """Features [len(keys), width, self.width] as `dtype` on `device` (zeros past each
+        sequence), or None unless every key is cached."""
+        if not all(k in self.index for k in keys):
+            self.misses += 1
+            return None
+        self.hits += 1
+        out = torch.zeros(len(keys), width, self.width, dtype=torch.float16)
+        for row, key in enumerate(keys):
+            name, offset, rows = self.index[key]
+            fd = self._readers.get(name)
+            if fd is None:
+                self._data.flush()
+                fd = self._readers[name] = os.open(self.folder / name, os.O_RDONLY)
+            raw = os.pread(fd, rows * self.width * 2, offset)
+            rows = min(rows, width)
+            out[row, :rows] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:rows]
+        return out.to(device=device, dtype=dtype)
+
+    def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
+        """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached."""
+        new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
+        if not new:
+            return
+        half = features.detach().float().cpu()
+        if bool((half.abs() > FP16_MAX).any()):
+            raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
+                                  "train without the cache")
+        half = half.half().numpy()
+        for i, key in new:
+            rows = int(lengths[i])
+            offset = self._data.tell()
+            self._data.write(np.ascontiguousarray(half[i, :rows]).tobytes())
+            self._data.flush()
+            self._index.write(json.dumps([key, offset, rows]) + "\n")
+            self.index[key] = (self._data_name, offset, rows)
+        self._index.flush()
+
+    def close(self):
+        self._data.close()
+        self._index.close()
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers = {}
