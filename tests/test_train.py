@@ -536,7 +536,7 @@ def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_sam
 
 def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(tiny_corpus, tmp_path):
     from blockdraft.errors import BlockdraftError
-    from blockdraft.train.features import FeatureCache
+    from blockdraft.train.features import FeatureCache, sequence_key
 
     root, target, prompts, answers = tiny_corpus
     cache = tmp_path / "cache"
@@ -545,7 +545,16 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
     trainer.features.close()
     with open(cache / "index-rank0.jsonl", "a") as f:
         f.write('["abc", 12')  # a crash in the middle of a line
-    assert len(FeatureCache(cache, target, [3])) == 8
+    reopened = FeatureCache(cache, target, [3])
+    assert len(reopened) == 8
+    other = FeatureCache(cache, target, [3], rank=1)  # a second training process, same folder
+    seq = [5, 6, 7, 8]
+    feats = torch.randn(1, 4, target.config.hidden_size)
+    other.put([sequence_key(seq)], feats, [4])
+    got = reopened.get([sequence_key(seq)], 6, "cpu")  # seen by the first without reopening
+    assert torch.equal(got[0, :4], feats[0].half().float()) and not got[0, 4:].any()
+    reopened.put([sequence_key(seq + [9])], torch.randn(1, 5, target.config.hidden_size), [5])
+    assert len(FeatureCache(cache, target, [3])) == 10  # the torn line cost nothing after it
     with pytest.raises(BlockdraftError, match="made for another layers"):
         FeatureCache(cache, target, [1, 3])
     with pytest.raises(BlockdraftError, match="soft labels"):

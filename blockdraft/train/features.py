@@ -10,7 +10,8 @@ same way whether the cache was empty or full.
 Layout of a cache folder: `meta.json` (the target's fingerprint, the captured layers, the
 feature width), and per training process `features-rankR.bin` (float16 rows appended) with
 `index-rankR.jsonl` (one line per sample: its key, byte offset, row count; a line is written
-only once its rows are on disk). A sample's key is a hash of its token ids, so the cache serves
+only once its rows are on disk; a process that misses a sample first reads the lines the
+others wrote since, so under DDP each sample is computed once). A sample's key is a hash of its token ids, so the cache serves
 any data folders, sample limits and orders that contain the same sequences; a cache built for
 another target or other layers is refused.
 """
@@ -61,21 +62,35 @@ class FeatureCache:
         else:
             path.write_text(json.dumps(meta, indent=2) + "\n")
         self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file name, byte offset, rows)
+        self._read_upto: dict[Path, int] = {}  # index file -> bytes of it read so far
+        self._refresh()
+        self._data_name = f"features-rank{rank}.bin"
+        self._data = open(self.folder / self._data_name, "ab")
+        index = self.folder / f"index-rank{rank}.jsonl"
+        torn = index.is_file() and index.stat().st_size and not index.read_bytes().endswith(b"\n")
+        self._index = open(index, "a")
+        if torn:  # a line cut short by a crash: the next ones start on their own line
+            self._index.write("\n")
+        self._readers: dict[str, int] = {}
+        self.hits = self.misses = 0
+
+    def _refresh(self):
+        """Read the index lines written since the last look (other training processes' too)."""
         for index in sorted(self.folder.glob("index-rank*.jsonl")):
             data = index.name.replace("index-", "features-").replace(".jsonl", ".bin")
             size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
-            for line in index.read_text().splitlines():
+            with open(index, "rb") as f:
+                f.seek(self._read_upto.get(index, 0))
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            self._read_upto[index] = self._read_upto.get(index, 0) + len(whole)
+            for line in whole.decode().splitlines():
                 try:
                     key, offset, rows = json.loads(line)
                 except (ValueError, TypeError):
                     continue  # a line torn by a crash
                 if offset + rows * self.width * 2 <= size:
                     self.index[key] = (data, offset, rows)
-        self._data_name = f"features-rank{rank}.bin"
-        self._data = open(self.folder / self._data_name, "ab")
-        self._index = open(self.folder / f"index-rank{rank}.jsonl", "a")
-        self._readers: dict[str, int] = {}
-        self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self.index)
@@ -84,8 +99,10 @@ class FeatureCache:
         """Features [len(keys), width, self.width] as `dtype` on `device` (zeros past each
         sequence), or None unless every key is cached."""
         if not all(k in self.index for k in keys):
-            self.misses += 1
-            return None
+            self._refresh()  # another process may have stored them since
+            if not all(k in self.index for k in keys):
+                self.misses += 1
+                return None
         self.hits += 1
         out = torch.zeros(len(keys), width, self.width, dtype=torch.float16)
         for row, key in enumerate(keys):
