@@ -121,15 +121,14 @@ class FeatureCache:
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
         if not new:
             return
-        half = features.detach().float().cpu()
-        if bool((half.abs() > FP16_MAX).any()):
-            raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
-                                  "train without the cache")
-        half = half.half().numpy()
+        full = features.detach().float().cpu()
         for i, key in new:
             rows = int(lengths[i])
+            if bool((full[i, :rows].abs() > FP16_MAX).any()):
+                raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
+                                      "train without the cache")
             offset = self._data.tell()
-            self._data.write(np.ascontiguousarray(half[i, :rows]).tobytes())
+            self._data.write(full[i, :rows].half().numpy().tobytes())
             self._data.flush()
             self._index.write(json.dumps([key, offset, rows]) + "\n")
             self.index[key] = (self._data_name, offset, rows)
