@@ -22,6 +22,10 @@ def _add_model_args(p: argparse.ArgumentParser):
                    help="DFlash methods: the drafter sees only the last W committed tokens (flat draft cost on "
                         "long contexts; default: the longest context the drafter was trained on when its config "
                         "records it, else the whole context; 0: the whole context)")
+    p.add_argument("--draft-weights", choices=["auto", "float", "int8"], default="auto",
+                   help="drafters' linear layers: int8 copies of their weights (CPU: a draft pass reads 4x "
+                        "fewer bytes; the output is the target's either way), float (the target's dtype), or "
+                        "auto (default: int8 for fp32 drafters on CPU)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser):
@@ -49,7 +53,8 @@ def _load_engine(args, method_names: list[str]):
     dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
                        use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle,
-                       draft_window="auto" if args.draft_window is None else args.draft_window)
+                       draft_window="auto" if args.draft_window is None else args.draft_window,
+                       draft_weights=args.draft_weights)
 
 
 def _sampling_kwargs(args) -> dict:

@@ -311,6 +311,7 @@ class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
     head_packs = None  # a models.packed.WeightPacks for the LM-head product, set by pack_linears
+    head_int8 = False  # score the LM-head rows from int8 copies (set by models.quant.quantize_drafter)
 
     def reset_parameters(self, std: float = 0.02):
         """The initialisation used for training: N(0, std) projections, unit norms."""
@@ -339,17 +340,29 @@ class DrafterBase(nn.Module):
             return lm_head_weight
         if torch.is_grad_enabled() and lm_head_weight.requires_grad:
             return lm_head_weight[vocab]
-        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight), vocab.data_ptr(), tensor_version(vocab))
-        cached = getattr(self, "_head_rows", None)
+        return self._kept("_head_rows", lm_head_weight, vocab, lambda: lm_head_weight.detach()[vocab])
+
+    def _kept(self, attr: str, lm_head_weight: torch.Tensor, vocab, make):
+        """`make()`, kept in `attr` until the head or the draft vocabulary changes."""
+        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight))
+        if vocab is not None:
+            key += (vocab.data_ptr(), tensor_version(vocab))
+        cached = getattr(self, attr, None)
         if cached is None or cached[0] != key:
-            cached = (key, lm_head_weight.detach()[vocab])
-            self._head_rows = cached
+            cached = (key, make())
+            setattr(self, attr, cached)
         return cached[1]
 
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Logits [..., V'] over the draft vocabulary (V' = the target's unless a draft
         vocabulary is set) from final hidden states [..., H]."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
+        if self.head_int8 and not torch.is_grad_enabled():
+            from .models.quant import Int8Linear
+
+            head = self._kept("_head_int8", lm_head_weight, getattr(self, "draft_vocab", None),
+                              lambda: Int8Linear.from_float(self.head_weight(lm_head_weight)))
+            return head(flat).view(*hidden.shape[:-1], -1)
         weight = self.head_weight(lm_head_weight)
         packs = self.head_packs  # see models.packed
         logits = packs.linear(flat, weight) if packs is not None else torch.nn.functional.linear(flat, weight)
@@ -370,6 +383,13 @@ class DrafterBase(nn.Module):
         probs = torch.softmax(self.draft_logits(hidden, lm_head_weight).float(), dim=-1)
         top = probs.topk(k, dim=-1)
         return self.to_target_ids(top.indices), top.values
+
+    def save(self, folder: str | Path, dtype: torch.dtype | None = None):
+        """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
+        if self.head_int8:
+            raise BlockdraftError("this drafter runs from int8 copies of its weights (inference only): "
+                                  "save the fp32 drafter it was made from")
+        write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)
 
     def register_draft_vocab(self, size: int | None):
         if size:
@@ -457,7 +477,7 @@ class DFlashDrafter(DrafterBase):
             cache.v[i, rows].transpose(1, 2)[index, slots] = v.transpose(1, 2)
 
     def new_cache(self, batch: int, max_len: int, window: int | None = None) -> DraftCache:
-        w = self.fc.weight
+        w = self.norm.weight  # (fp32 whatever the linears hold: int8 drafters keep fp32 norms)
         return DraftCache(self.config, batch, max_len, w.dtype, w.device, window)
 
     def check_target(self, target: TargetConfig):
@@ -476,10 +496,6 @@ class DFlashDrafter(DrafterBase):
             problems.append(f"mask_token_id {cfg.mask_token_id} outside the vocabulary")
         if problems:
             raise BlockdraftError("drafter does not match the target: " + "; ".join(problems))
-
-    def save(self, folder: str | Path, dtype: torch.dtype | None = None):
-        """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
-        write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_weights, read_config, write_model_folder
+from .checkpoint import load_weights, read_config
 from .draft import DrafterBase
 from .errors import BlockdraftError
 from .models.config import TargetConfig
@@ -155,9 +155,6 @@ class EagleDrafter(DrafterBase):
         return stacked.reshape(n, a_count * (steps + 1), -1)
 
     # ---- checkpoints ---------------------------------------------------------------------
-
-    def save(self, folder: str | Path, dtype: torch.dtype | None = None):
-        write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "EagleDrafter":

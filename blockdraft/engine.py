@@ -84,11 +84,26 @@ def default_device() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
+def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`Engine.load`'s draft_weights ("auto" | "float" | "int8") -> "float" or "int8"."""
+    from .models.quant import DRAFT_WEIGHTS, int4_available, int8_drafters_pay
+
+    if choice not in DRAFT_WEIGHTS:
+        raise BlockdraftError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {choice!r}")
+    if choice == "auto":
+        return "int8" if int8_drafters_pay(device, dtype) else "float"
+    if choice == "int8" and (device.type != "cpu" or not int4_available()):
+        raise BlockdraftError("int8 drafter weights run on CPU with torch's int8 kernel (torch >= 2.6); "
+                              "use --draft-weights float here")
+    return choice
+
+
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
-                 packed: bool = False, draft_window: int | str | None = "auto"):
+                 packed: bool = False, draft_window: int | str | None = "auto", draft_weights: str = "float"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.draft_weights = draft_weights  # "float" or "int8": what drafters loaded later are turned into
         self.draft_window = draft_window  # DFlash methods: the drafter sees the last W committed tokens
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
@@ -108,7 +123,7 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_window: int | str | None = "auto") -> "Engine":
+             draft_window: int | str | None = "auto", draft_weights: str = "auto") -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -120,7 +135,11 @@ class Engine:
         target the GGUF file's own values, see `models.quant`); drafters stay fp32.
         `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost
         on long contexts). "auto": the context the drafter was trained on, when its config
-        says (blockdraft-trained drafters), else the whole context; 0: the whole context."""
+        says (blockdraft-trained drafters), else the whole context; 0: the whole context.
+        `draft_weights`: "int8" runs the drafters' linear layers (and their share of the LM head)
+        from int8 copies of their weights (CPU; `models.quant.quantize_drafter`): a draft pass
+        reads 4x fewer bytes, the output is the target's either way; "float": the target's
+        floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float."""
         dev, dt = default_device()
         quantized = dtype if isinstance(dtype, str) else None
         if quantized is not None:
@@ -131,6 +150,7 @@ class Engine:
                                       f"{', '.join(QUANTIZED)}")
             dev, dtype = torch.device("cpu"), torch.float32
         device, dtype = torch.device(device or dev), dtype or dt
+        draft_weights = resolve_draft_weights(draft_weights, device, dtype)
         folder = Path(target) if target else default_target_dir()
         model = load_target(folder, device, dtype)
         if quantized is not None:
@@ -153,10 +173,17 @@ class Engine:
             from .eagle import EagleDrafter
 
             baseline = EagleDrafter.load(eagle, device, dtype)
-        if packed:  # (a quantized target has no fp32 linears left to pack; its drafters do)
+        if draft_weights == "int8":
+            from .models.quant import quantize_drafter
+
+            for module in (drafter, baseline):
+                if module is not None:
+                    quantize_drafter(module)
+        if packed:  # (a quantized target has no fp32 linears left to pack; fp32 drafters do)
             packed = sum(pack_linears(m) for m in (model, drafter, baseline) if m is not None) > 0
         return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
-                   default_target=target is None, packed=packed, draft_window=draft_window)
+                   default_target=target is None, packed=packed, draft_window=draft_window,
+                   draft_weights=draft_weights)
 
     def drafter_for(self, kind: str):
         """The loaded drafter of a kind ("dflash" | "eagle3"); the one shipped for the default
@@ -175,6 +202,10 @@ class Engine:
 
                 module = EagleDrafter.load(folder, self.target.device, self.target.dtype)
             module.check_target(self.target.config)
+            if self.draft_weights == "int8":
+                from .models.quant import quantize_drafter
+
+                quantize_drafter(module)
             if self.packed:
                 pack_linears(module)
             setattr(self, attr, module)

@@ -174,3 +174,101 @@ def test_q4_1_sampling_follows_the_quantized_target(tiny_q4):
             counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
     stat, critical = chi2_goodness_of_fit(dist, counts, 3000)
     assert stat < critical
+
+
+# ---- int8 drafters (`Engine.load(draft_weights="int8")`, the default on CPU) ----------------
+
+
+def test_int8_rows_are_the_weights_in_use():
+    torch.manual_seed(0)
+    w = torch.randn(200, 96) * torch.rand(200, 1) * 3
+    w[7] = 0.0  # an all-zero row keeps a usable scale
+    q, scale = quant.quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and int(q.abs().max()) <= 127
+    used = q.float() * scale.float()[:, None]
+    assert torch.all((w - used).abs() <= scale.float()[:, None] / 2 + 1e-6)
+    assert torch.equal(used[7], torch.zeros(96))
+    bias = torch.randn(200)
+    lin = quant.Int8Linear.from_float(w, bias)
+    assert torch.equal(lin.dequantized(), used)
+    x = torch.randn(2, 5, 96)
+    y = lin(x)
+    ref = x.bfloat16().float() @ used.T + bias  # the kernel multiplies bf16-rounded inputs
+    assert y.shape == (2, 5, 200) and torch.allclose(y, ref, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(lin(x[:1, :1]), y[:1, :1], rtol=1e-2, atol=1e-2)  # a row alone: the same product
+
+
+def test_draft_weights_resolve_and_refuse_clearly():
+    from blockdraft.engine import resolve_draft_weights
+    from blockdraft.errors import BlockdraftError
+
+    cpu = torch.device("cpu")
+    assert resolve_draft_weights("auto", cpu, torch.float32) == "int8"
+    assert resolve_draft_weights("auto", cpu, torch.bfloat16) == "float"
+    assert resolve_draft_weights("auto", torch.device("cuda"), torch.float32) == "float"
+    assert resolve_draft_weights("float", cpu, torch.float32) == "float"
+    with pytest.raises(BlockdraftError, match="CPU"):
+        resolve_draft_weights("int8", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(BlockdraftError, match="one of"):
+        resolve_draft_weights("int4", cpu, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def shipped_pair():
+    """The shipped DFlash and EAGLE-3-style drafters, fp32 and int8 (real drafts: acceptance
+    well above a random drafter's, so a broken int8 product would show in tau)."""
+    import copy
+
+    from blockdraft.draft import DFlashDrafter
+    from blockdraft.eagle import EagleDrafter
+    from blockdraft.engine import shipped_drafter
+    from blockdraft.models.packed import pack_linears
+
+    pairs = {}
+    for kind, cls in (("dflash", DFlashDrafter), ("eagle3", EagleDrafter)):
+        folder = shipped_drafter(kind)
+        if folder is None:
+            pytest.skip(f"no shipped {kind} drafter")
+        fp32 = cls.load(folder).eval()
+        q8 = copy.deepcopy(fp32)
+        assert quant.quantize_drafter(q8) > 0 and not any(isinstance(m, torch.nn.Linear) for m in q8.modules())
+        pack_linears(fp32)
+        pairs[kind] = fp32, q8
+    return pairs
+
+
+def test_int8_drafters_are_lossless_and_keep_their_acceptance(smol, chat_ids, shipped_pair):
+    """Greedy output with int8 drafters is the target's own (alone and in a batch), and the
+    drafts stay nearly as good: at most 10% more verify steps than the fp32 drafters need."""
+    from blockdraft.proposers import EagleProposer
+
+    prompts = chat_ids[:2]  # code and arithmetic
+    ar = [_run(smol, Proposer(), [p], 1, max_new=32)[0] for p in prompts]
+    tokens = sum(len(a) for a in ar)
+
+    def steps_and_outputs(proposer, block, batch_size=1):
+        states = []
+        reqs = [Request(p, max_new_tokens=32, stop_token_ids=(2,)) for p in prompts]
+        steps = sum(1 for _ in generate_steps(smol, proposer, reqs, block, states, batch_size=batch_size))
+        return steps, [s.output_ids for s in states]
+
+    for kind, make, block in (("dflash", DFlashProposer, 3), ("eagle3", EagleProposer, 4)):
+        fp32, q8 = shipped_pair[kind]
+        steps32, out32 = steps_and_outputs(make(fp32, smol), block)
+        steps8, out8 = steps_and_outputs(make(q8, smol), block)
+        assert out32 == ar and out8 == ar, kind
+        assert steps8 <= 1.1 * steps32, (kind, steps8, steps32)
+        assert steps32 < 0.9 * tokens, (kind, steps32, tokens)  # the drafts do get accepted
+    assert steps_and_outputs(DFlashProposer(shipped_pair["dflash"][1], smol), 8, batch_size=2)[1] == ar
+
+
+def test_an_int8_drafter_cannot_be_saved(tmp_path, random_drafter):
+    import copy
+
+    from blockdraft.errors import BlockdraftError
+
+    q8 = copy.deepcopy(random_drafter)
+    quant.quantize_drafter(q8)
+    with pytest.raises(BlockdraftError, match="int8"):
+        q8.save(tmp_path / "d")
+    random_drafter.save(tmp_path / "fp32")  # the fp32 one it was made from still can

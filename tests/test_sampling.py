@@ -78,6 +78,23 @@ def test_dflash_samples_follow_the_target_distribution(tiny, params):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8 CPU kernel")
+def test_an_int8_drafter_samples_follow_the_target_distribution(tiny):
+    """Draft probabilities from int8 weights are other probabilities, used consistently: the
+    samples still follow the target's distribution."""
+    import copy
+
+    from blockdraft.models.quant import quantize_drafter
+
+    hf, target, drafter = tiny
+    params = SamplingParams(1.0)
+    q8 = copy.deepcopy(drafter)
+    assert quantize_drafter(q8) > 0
+    dist = exact_distribution(hf, params)
+    stat, critical = chi_square(dist, sample_counts(target, DFlashProposer(q8, target), params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
 def test_the_test_rejects_common_wrong_acceptance_rules(tiny, monkeypatch):
     hf, target, drafter = tiny
     params = CASES[0]

@@ -16,7 +16,7 @@ def markdown(reports: dict) -> str:
         lines += [f"### {name}: {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, "
                   f"T={rep['temperature']}, {rep['repeats']} repeat(s)", "",
                   f"Machine: {m0['processor']}, {m0['threads']} threads, {m0['device']}, weights "
-                  f"{m0.get('weights', m0['dtype'])}, torch {m0['torch']}" + (f", GGUF for llamacpp: {rep['gguf']}"
+                  f"{m0.get('weights', m0['dtype'])}, drafters {m0.get('draft_weights', 'float')}, torch {m0['torch']}" + (f", GGUF for llamacpp: {rep['gguf']}"
                                                                            if rep.get("gguf") else "") + ".", "",
                   "| method | block | tau | tok/s | speedup vs ar (min-max over repeats) | bound tau*t_step/(t_draft+t_verify)"
                   " | draft ms/step | verify ms/step | prefill / draft / verify / other (s) |",

@@ -236,7 +236,8 @@ def cpu_name() -> str:
 def machine_info(engine) -> dict:
     return {"platform": platform.platform(), "processor": cpu_name(),
             "threads": torch.get_num_threads(), "device": str(engine.target.device),
-            "dtype": str(engine.target.dtype), "weights": engine.weights, "torch": torch.__version__}
+            "dtype": str(engine.target.dtype), "weights": engine.weights,
+            "draft_weights": engine.draft_weights, "torch": torch.__version__}
 
 
 def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,

@@ -36,8 +36,8 @@ from .layers import chunked_attention_is_exact
 
 GROUP = 32
 INNER_K_TILES = 8  # the packing granularity torch's int4 CPU kernel takes (2, 4 or 8)
-QUANTIZED = ("q4_1",)
-ATTENTION_CHUNK = 64  # the quantized formats `Engine.load(dtype=...)` accepts
+QUANTIZED = ("q4_1",)  # the quantized formats `Engine.load(dtype=...)` accepts
+ATTENTION_CHUNK = 64
 
 
 def dequantize_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,13 +82,19 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T with W stored as int8 and one bf16 scale per output row."""
+    """y = x W^T (+ b) with W stored as int8 and one bf16 scale per output row."""
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Symmetric per-row int8 of an fp32 weight (`quantize_rows_int8`)."""
+        return cls(*quantize_rows_int8(weight.detach()), bias)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_int8.float() * self.scales.float()[:, None]
@@ -104,7 +110,48 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] -> (int8 [N, K], bf16 scales [N]): w ~ q * scale with scale = max|row| / 127
+    rounded to bf16 first, so the weight in use is exactly q * scale (error <= scale / 2 per entry)."""
+    scale = (w.abs().amax(1).float() / 127).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+    q = (w.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+# what `Engine.load(draft_weights=...)` accepts: "float" = the target's floating dtype
+DRAFT_WEIGHTS = ("auto", "float", "int8")
+
+
+def int8_drafters_pay(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `draft_weights="auto"` picks int8: fp32 drafters on CPU where torch has the kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and int4_available()
+
+
+def quantize_drafter(drafter: nn.Module) -> int:
+    """Swap a drafter's linear layers for `Int8Linear`s in place and have it score its share of
+    the target's LM head from int8 rows too; returns how many linears were swapped.
+
+    Inference only (a drafter's weights in int8 read 4x fewer bytes; at the 1-8 rows of a
+    draft pass its products are memory-bound here): what the target emits does not change,
+    since every draft is verified by the target (and sampled verification uses the drafter's
+    own probabilities, whatever weights made them). A quantized drafter cannot be saved."""
+    if not int4_available():
+        raise BlockdraftError("this torch build has no int8 CPU weight kernel (torch >= 2.6 needed)")
+    swapped = 0
+    for parent in list(drafter.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                if child.weight.device.type != "cpu":
+                    raise BlockdraftError("int8 drafter weights run on CPU (torch's int8 CPU kernel)")
+                setattr(parent, name, Int8Linear.from_float(child.weight, child.bias))
+                swapped += 1
+    drafter.head_int8 = True
+    return swapped
 
 
 class Q8Embedding(nn.Module):
