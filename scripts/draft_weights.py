@@ -1,0 +1,74 @@
+"""fp32 vs int8 drafter weights, side by side (the figures the README quotes for `--draft-weights`).
+
+Two engines on the same target, one with fp32 drafters and one with int8 copies
+(`models.quant.quantize_drafter`); every prompt runs each method on both, in alternating
+order, greedy. Prints per method and dataset: tau, the drafter's ms per step, the verify ms
+per step, tokens/s (median over prompts) and the int8 / fp32 ratio of tokens/s (median
+of the per-prompt ratios), and whether both gave the same tokens.
+
+    python scripts/draft_weights.py [--dataset humaneval,mtbench] [--max-samples 8]
+        [--max-new-tokens 256] [--methods dflash@3,dflash,eagle3@4] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from blockdraft import Engine
+from blockdraft.bench.runner import load_prompts, machine_info
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="humaneval,mtbench")
+    ap.add_argument("--max-samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--methods", default="dflash@3,dflash,eagle3@4")
+    ap.add_argument("--out", help="write the per-prompt records here (JSON)")
+    args = ap.parse_args()
+    engines = {"float": Engine.load(draft_weights="float"), "int8": Engine.load(draft_weights="int8")}
+    methods = args.methods.split(",")
+    for engine in engines.values():  # warm-up: kernels chosen and weights packed on first use
+        for m in ["ar", *methods]:
+            engine.generate("Hello", chat=True, method=m, max_new_tokens=8)
+    print(f"machine: {machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads")
+    records = []
+    for name in args.dataset.split(","):
+        prompts = load_prompts(name, None, args.max_samples, True)
+        for i, rec in enumerate(prompts):
+            ids = engines["float"].encode(rec["turns"][0], chat=True)
+            for m in methods:
+                order = ["float", "int8"] if i % 2 == 0 else ["int8", "float"]
+                outs = {w: engines[w].generate(ids, method=m, max_new_tokens=args.max_new_tokens) for w in order}
+                steps = {w: max(1, o.steps) for w, o in outs.items()}
+                records.append({"dataset": name, "prompt": rec["id"], "method": m,
+                                "same_tokens": outs["float"].token_ids == outs["int8"].token_ids,
+                                **{f"{w}_{k}": v for w, o in outs.items() for k, v in (
+                                    ("tau", o.tau), ("tok_s", o.tokens_per_second),
+                                    ("draft_ms", 1e3 * o.draft_seconds / steps[w]),
+                                    ("verify_ms", 1e3 * o.verify_seconds / steps[w]))}})
+                print(f"{name} {rec['id']} {m}: tau {outs['float'].tau:.2f} / {outs['int8'].tau:.2f}, "
+                      f"tok/s {outs['float'].tokens_per_second:.1f} / {outs['int8'].tokens_per_second:.1f}", flush=True)
+    print("\n| dataset | method | tau fp32 | tau int8 | draft ms/step fp32 | int8 | verify ms/step | "
+          "tok/s fp32 | tok/s int8 | int8 / fp32 (median) | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.dataset.split(","):
+        for m in methods:
+            rs = [r for r in records if r["dataset"] == name and r["method"] == m]
+            med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
+            mean = lambda key: statistics.mean(r[key] for r in rs)  # noqa: E731
+            ratio = statistics.median(r["int8_tok_s"] / r["float_tok_s"] for r in rs)
+            print(f"| {name} | {m} | {mean('float_tau'):.2f} | {mean('int8_tau'):.2f} | {med('float_draft_ms'):.1f} | "
+                  f"{med('int8_draft_ms'):.1f} | {med('float_verify_ms'):.1f} | {med('float_tok_s'):.2f} | "
+                  f"{med('int8_tok_s'):.2f} | {ratio:.3f} | {sum(r['same_tokens'] for r in rs)}/{len(rs)} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine_info(engines["float"]), "args": vars(args), "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
