@@ -7,6 +7,8 @@
     .venv/bin/python scripts/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
     # the same curve at 1 epoch from one pass: each size is a WSD decay branch off the full run
     .venv/bin/python scripts/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
+    # trained blocks compared as served at a small block (CPU): the same steps for every run
+    .venv/bin/python scripts/experiments.py served --runs block-8-anchors-32 block-4-anchors-64 --steps 370 --block 3
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python scripts/experiments.py table --plot docs/data_scaling.png
 
@@ -60,6 +62,8 @@ RECIPE = {
     "block-8": {"block_size": 8},
     "block-8-anchors-32": {"block_size": 8, "num_anchors": 32},  # the two best single changes, together
     "no-clip": {"grad_clip": 0.0},
+    # for serving at a small block on CPU (`served`): the same block tokens, the loss on fewer positions
+    "block-4-anchors-64": {"block_size": 4, "num_anchors": 64},
 }
 
 
@@ -211,6 +215,38 @@ def scaling_branches(args, settings: dict):
         run(key, dataclasses.replace(main.cfg, out=str(out), max_steps=steps), extra)
 
 
+def cmd_served(args):
+    """Recipe runs compared as SERVED at a small block (a CPU verifies 3 tokens for about the
+    price of one, 4+ for 1.5 steps): each run trains --steps steps (the same number for all:
+    equal compute where their block tokens per sequence are equal; the seconds per step are
+    recorded), then is evaluated at --block, teacher-forced on the same held-out blocks for
+    every run (--anchors per answer) and in the decode loop, and teacher-forced at its own block."""
+    for name in args.runs:
+        key = f"served/{name}/b{args.block}"
+        if key in done_runs():
+            continue
+        settings = {**BASE, **RECIPE[name]}
+        if settings["block_size"] < args.block:
+            raise SystemExit(f"{name} trains at block {settings['block_size']}, below the served block {args.block}")
+        cfg = TrainConfig(out=str(RUNS / f"served-{name}"), **common(args), **settings)
+        cfg.max_steps = args.steps
+        trainer = Trainer(cfg, resume=True)
+        trainer.run()
+        last = json.loads((Path(cfg.out) / "metrics.jsonl").read_text().splitlines()[-1])
+        served = trainer.evaluate_blocks(BLOCK_SAMPLES, block_size=args.block, num_anchors=args.anchors)
+        own = trainer.evaluate_blocks(BLOCK_SAMPLES)
+        result = {"run": key, "kind": "served", "change": RECIPE[name], "served_block": args.block,
+                  "steps": last["step"], "seconds_per_step": round(last["elapsed"] / max(1, last["step"]), 3),
+                  "tau_served": trainer.evaluate_tau(block_size=args.block),
+                  "tau_blocks_served": served["tau_blocks"], "val_acc_served": served["val_acc"],
+                  "blocks_served": served["blocks"], **own, "threads": torch.get_num_threads(),
+                  "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}}
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"{key}: served tau {result['tau_served']:.3f} (teacher-forced {served['tau_blocks']:.3f})",
+              file=sys.stderr)
+
+
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
@@ -238,6 +274,17 @@ def cmd_table(args):
             acc, ce = r.get("val_acc") or [None] * 4, r.get("val_ce") or [None]
             cells = [r["run"].split("/", 1)[1], change, r["steps"], r.get("seconds_per_step"), _num(r["tau"], 3),
                      _num(r.get("tau_blocks"), 3), _num(acc[0], 3), _num(acc[1], 3), _num(acc[3], 3), _num(ce[0], 2)]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
+    served = [r for r in rows if r.get("kind") == "served"]
+    if served:
+        print("\n| run | trained block | anchors | steps | s/step | served block | τ decode | τ teacher-forced | "
+              "acc@1 | acc@2 | τ teacher-forced, trained block |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in served:
+            acc = r["val_acc_served"] + [None]
+            cells = [r["run"].split("/")[1], r["config"]["block_size"], r["config"]["num_anchors"], r["steps"],
+                     r["seconds_per_step"], r["served_block"], _num(r["tau_served"], 3), _num(r["tau_blocks_served"], 3),
+                     _num(acc[0], 3), _num(acc[1], 3), _num(r["tau_blocks"], 3)]
             print("| " + " | ".join(str(c) for c in cells) + " |")
     scaling = [r for r in rows if r.get("kind") == "scaling"]
     if scaling:
@@ -279,7 +326,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -291,6 +338,11 @@ def main():
     r.add_argument("--minutes", type=float, default=10, help="CPU wall time per run")
     r.add_argument("--runs", nargs="*", choices=list(RECIPE), help="default: all")
     sub.choices["table"].add_argument("--plot", help="write the data-scaling curve to this PNG")
+    v = sub.choices["served"]
+    v.add_argument("--runs", nargs="+", choices=list(RECIPE), required=True)
+    v.add_argument("--steps", type=int, default=370, help="training steps of every run")
+    v.add_argument("--block", type=int, default=3, help="the served block (anchor + drafts)")
+    v.add_argument("--anchors", type=int, default=32, help="held-out blocks per answer for the teacher-forced τ")
     s = sub.choices["scaling"]
     s.add_argument("--sizes", type=int, nargs="+", default=[1000, 2500, 5000, 10000, 20000])
     s.add_argument("--epochs", type=float, default=2)
@@ -301,7 +353,8 @@ def main():
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "blocks": cmd_blocks, "table": cmd_table}[args.cmd](args)
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "blocks": cmd_blocks,
+     "table": cmd_table}[args.cmd](args)
 
 
 if __name__ == "__main__":

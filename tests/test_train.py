@@ -432,6 +432,24 @@ def test_teacher_forced_acceptance(tiny_corpus, tmp_path):
     assert trainer.evaluate_blocks(8) == out  # the same blocks every time
 
 
+def test_teacher_forced_acceptance_at_a_smaller_served_block(tiny_corpus, tmp_path):
+    """A drafter trained at block 4 evaluated as served at block 2: one draft position, so
+    tau is exactly 1 + its accuracy; at block 3, between the position accuracies' bounds;
+    above the trained block it is refused. The decode loop runs at the smaller block too."""
+    trainer = Trainer(tiny_config(tiny_corpus[0], tmp_path / "run", max_steps=10))
+    trainer.run()
+    two = trainer.evaluate_blocks(8, block_size=2, num_anchors=6)
+    assert len(two["val_acc"]) == 1 and two["blocks"] > 20
+    assert two["tau_blocks"] == pytest.approx(1 + two["val_acc"][0], abs=1e-3)
+    three = trainer.evaluate_blocks(8, block_size=3, num_anchors=6)
+    assert len(three["val_acc"]) == 2
+    acc1, acc2 = three["val_acc"]  # tau = 1 + P(first right) + P(both right)
+    assert 1 + acc1 - 0.02 <= three["tau_blocks"] <= 1 + acc1 + min(acc1, acc2) + 0.02
+    with pytest.raises(ValueError, match="block 4"):
+        trainer.evaluate_blocks(8, block_size=5)
+    assert 1.0 <= trainer.evaluate_tau(block_size=2) <= 2.0
+
+
 def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp_path):
     """The data-scaling curve's branches (scripts/experiments.py scaling --wsd-branches): a run
     stopped early with `run(until=)` and continued from a copy of its checkpoint with a shorter

@@ -435,8 +435,9 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate_tau(self) -> float:
-        """τ of the current drafter in the real decode loop, greedy, on held-out prompts."""
+    def evaluate_tau(self, block_size: int | None = None) -> float:
+        """τ of the current drafter in the real decode loop, greedy, on held-out prompts, at
+        `block_size` (default: the trained one; a drafter runs at any block up to it)."""
         pool = self.valid or self.samples
         prompts = [s[2]["prompt_ids"] for s in pool[: self.cfg.eval_prompts]]
         self.drafter.eval()
@@ -445,33 +446,39 @@ class Trainer:
         # Decoding runs the drafter in the target's dtype, as `Engine.load` does.
         drafter = self.drafter if self.dtype == torch.float32 else copy.deepcopy(self.drafter).to(self.dtype)
         proposer = proposer_for(drafter, self.target)
-        for _ in generate_steps(self.target, proposer, reqs, self.cfg.block_size, states):
+        for _ in generate_steps(self.target, proposer, reqs, block_size or self.cfg.block_size, states):
             pass
         self.drafter.train()
         lengths = [a for s in states for a in s.acceptance_lengths]
         return sum(lengths) / max(1, len(lengths))
 
     @torch.no_grad()
-    def evaluate_blocks(self, num_samples: int = 128, seed: int = 12345) -> dict:
+    def evaluate_blocks(self, num_samples: int = 128, seed: int = 12345, block_size: int | None = None,
+                        num_anchors: int | None = None) -> dict:
         """Teacher-forced acceptance on held-out answers. The answers are the target's own greedy
         continuations (regenerated data), so at an anchor the drafter's block (one pass, greedy)
         is accepted up to its first wrong position, exactly as in the decode loop given the same
         committed context: τ_blocks = 1 + the mean correct prefix, over thousands of blocks at
         random anchors in `num_samples` held-out answers (the same blocks for every run with the
         same block size and anchors); plus per draft position the hard-label cross-entropy and
-        accuracy. Cheaper and steadier than `evaluate_tau`'s decode run."""
+        accuracy. Cheaper and steadier than `evaluate_tau`'s decode run. `block_size` and
+        `num_anchors` (default: the trained ones) evaluate blocks as served at a smaller block:
+        runs trained at different blocks compare on the same blocks."""
         cfg, dev = self.cfg, self.device
         pool = (self.valid or self.samples)[:num_samples]
         gen = torch.Generator().manual_seed(seed)
         head = self.drafter.head_weight(self.target.lm_head.weight)
-        b = cfg.block_size
+        b = block_size or cfg.block_size
+        if b > cfg.block_size:
+            raise ValueError(f"a drafter trained at block {cfg.block_size} cannot run at block {b}")
         ce, ce_count, hit, count = (torch.zeros(b, device=dev) for _ in range(4))
         accepted, blocks = torch.zeros((), device=dev), torch.zeros((), device=dev)
         self.drafter.eval()
         for s in range(0, len(pool), cfg.batch_size):
             items = pool[s:s + cfg.batch_size]
             batch = build_blocks([it[0] for it in items], [it[1] for it in items], block_size=b,
-                                 num_anchors=cfg.num_anchors, mask_token_id=cfg.mask_token_id, gamma=self.gamma,
+                                 num_anchors=num_anchors or cfg.num_anchors, mask_token_id=cfg.mask_token_id,
+                                 gamma=self.gamma,
                                  generator=gen)
             with self.autocast:
                 hidden, _ = self.block_hidden(batch)
