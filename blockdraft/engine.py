@@ -132,7 +132,7 @@ class Engine:
         kernel measured fastest on this CPU per weight shape and row count, on weights packed
         for it on first use (`models.packed`: plain sgemm, MKL's packed sgemm or oneDNN).
         `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
-        target the GGUF file's own values, see `models.quant`); drafters stay fp32.
+        target the GGUF file's own values, see `models.quant`); drafters as `draft_weights` says.
         `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost
         on long contexts). "auto": the context the drafter was trained on, when its config
         says (blockdraft-trained drafters), else the whole context; 0: the whole context.
