@@ -30,6 +30,7 @@ from .errors import BlockdraftError
 from .models.config import TargetConfig, rope_settings
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
 from .models.packed import tensor_version
+from .models.quant import Int8Linear
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -358,10 +359,9 @@ class DrafterBase(nn.Module):
         vocabulary is set) from final hidden states [..., H]."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
         if self.head_int8 and not torch.is_grad_enabled():
-            from .models.quant import Int8Linear
-
-            head = self._kept("_head_int8", lm_head_weight, getattr(self, "draft_vocab", None),
-                              lambda: Int8Linear.from_float(self.head_weight(lm_head_weight)))
+            vocab = getattr(self, "draft_vocab", None)  # (the int8 rows only: no fp32 copy is kept)
+            head = self._kept("_head_int8", lm_head_weight, vocab, lambda: Int8Linear.from_float(
+                lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab]))
             return head(flat).view(*hidden.shape[:-1], -1)
         weight = self.head_weight(lm_head_weight)
         packs = self.head_packs  # see models.packed

@@ -98,6 +98,15 @@ def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype)
     return choice
 
 
+def with_draft_weights(drafter, draft_weights: str):
+    """A freshly loaded drafter in the resolved draft weights ("float" or "int8"), in place."""
+    if draft_weights == "int8":
+        from .models.quant import quantize_drafter
+
+        quantize_drafter(drafter)
+    return drafter
+
+
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
@@ -173,12 +182,9 @@ class Engine:
             from .eagle import EagleDrafter
 
             baseline = EagleDrafter.load(eagle, device, dtype)
-        if draft_weights == "int8":
-            from .models.quant import quantize_drafter
-
-            for module in (drafter, baseline):
-                if module is not None:
-                    quantize_drafter(module)
+        for module in (drafter, baseline):
+            if module is not None:
+                with_draft_weights(module, draft_weights)
         if packed:  # (a quantized target has no fp32 linears left to pack; fp32 drafters do)
             packed = sum(pack_linears(m) for m in (model, drafter, baseline) if m is not None) > 0
         return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
@@ -202,10 +208,7 @@ class Engine:
 
                 module = EagleDrafter.load(folder, self.target.device, self.target.dtype)
             module.check_target(self.target.config)
-            if self.draft_weights == "int8":
-                from .models.quant import quantize_drafter
-
-                quantize_drafter(module)
+            with_draft_weights(module, self.draft_weights)
             if self.packed:
                 pack_linears(module)
             setattr(self, attr, module)
