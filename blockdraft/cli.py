@@ -169,7 +169,7 @@ def cmd_data_regenerate(args) -> int:
 
 
 def _add_train_args(p: argparse.ArgumentParser):
-    """One flag per TrainConfig field (--block-size, --num-anchors, ...), defaults from the dataclass."""
+    """One flag per TrainConfig field (--block-size, --num-anchors, ...): help and defaults from the dataclass."""
     import dataclasses
 
     from .train.trainer import TrainConfig
@@ -180,14 +180,16 @@ def _add_train_args(p: argparse.ArgumentParser):
         flag = "--" + f.name.replace("_", "-")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         kind = str(f.type)
+        help_text = f.metadata.get("help", "") + ("" if required or f.default is None else " (default: %(default)s)")
+        opts = dict(help=help_text, default=None if required else f.default, required=required)
         if "list" in kind:
-            p.add_argument(flag, type=int, nargs="+", default=f.default)
+            p.add_argument(flag, type=int, nargs="+", metavar="N", **opts)
         elif "float" in kind:
-            p.add_argument(flag, type=float, default=None if required else f.default, required=required)
+            p.add_argument(flag, type=float, **opts)
         elif "int" in kind:
-            p.add_argument(flag, type=int, default=None if required else f.default, required=required)
+            p.add_argument(flag, type=int, **opts)
         else:
-            p.add_argument(flag, default=None if required else f.default, required=required)
+            p.add_argument(flag, **opts)
 
 
 def cmd_train(args) -> int:

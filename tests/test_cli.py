@@ -196,3 +196,31 @@ def test_an_abandoned_stream_stops_within_a_step():
     time.sleep(0.5)
     assert Counting.calls == stopped_at < 40  # no step after the close (the worker was joined)
     assert engine.generate("Hi", chat=True, method="ar", max_new_tokens=4).num_output_tokens == 4
+
+
+def test_train_flags_document_every_setting_and_keep_its_defaults(capsys):
+    """`blockdraft train` has one flag per TrainConfig field, each with its help text, and a
+    command line naming only the required flags gives exactly TrainConfig's defaults."""
+    import argparse
+    import dataclasses
+
+    from blockdraft.cli import _add_train_args
+    from blockdraft.train.trainer import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="train")
+    _add_train_args(parser)
+    fields = [f for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
+    for f in fields:
+        assert f.metadata.get("help"), f"TrainConfig.{f.name} has no help text"
+    helps = {a.dest: a.help for a in parser._actions}
+    for f in fields:
+        assert helps[f.name].startswith(f.metadata["help"])
+    args = parser.parse_args(["--data", "d", "--out", "o"])
+    parsed = TrainConfig(**{f.name: getattr(args, f.name) for f in fields})
+    assert parsed == TrainConfig(data="d", out="o")
+    args = parser.parse_args(["--data", "d", "--out", "o", "--block-size", "4", "--lr", "2e-4",
+                              "--target-layer-ids", "1", "5", "--init-from", "x"])
+    assert (args.block_size, args.lr, args.target_layer_ids, args.init_from) == (4, 2e-4, [1, 5], "x")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "o"])  # --data is required
+    assert "--data" in capsys.readouterr().err
