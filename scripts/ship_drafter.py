@@ -1,12 +1,15 @@
-"""Ship a trained drafter for the default target: fp16 weights + a model card.
+"""Ship trained drafters for the default target: fp16 weights + a model card.
 
     python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
+    python scripts/ship_drafter.py --eagle RUN_DIR [--bench DIR]       # the EAGLE-3-style baseline only
+    python scripts/ship_drafter.py RUN_DIR --eagle EAGLE_RUN_DIR ...     # both
 
-Copies RUN_DIR/drafter into blockdraft/shipped/smollm2-135m-instruct-dflash/ (fp16), measures τ with
-`blockdraft bench` on HumanEval, MT-Bench first turns and GSM8K (greedy, the drafter's block size),
-and writes the model card README.md from the run's own records (data sources and samples,
-epochs, schedule, CPU hours). With --bench DIR, τ is read from an existing bench run
-(DIR/DATASET/results.json, methods `dflash*`) instead of being measured again.
+Copies RUN_DIR/drafter into blockdraft/shipped/smollm2-135m-instruct-dflash/ (fp16; with --eagle,
+EAGLE_RUN_DIR/drafter into .../smollm2-135m-instruct-eagle3/), measures τ with `blockdraft bench`
+on HumanEval, MT-Bench first turns and GSM8K (greedy, the drafter's block size), and writes each
+model card README.md from the run's own records (data sources and samples, epochs, schedule,
+CPU hours, the data-scaling curve of its architecture). With --bench DIR, τ is read from an
+existing bench run (DIR/DATASET/results.json, methods `dflash*` or `eagle3*`) instead.
 """
 
 from __future__ import annotations
@@ -21,12 +24,20 @@ from pathlib import Path
 import torch
 
 from blockdraft.bench.runner import cpu_name
-from blockdraft.draft import DFlashDrafter
+from experiments import records  # scripts/experiments.py, beside this script
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
 SCALING_LOG = DEST.parents[2] / "data" / "train-logs" / "experiments.jsonl"
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench (first turns)", "gsm8k": "GSM8K"}
+# What each architecture's card says it is, and where it goes.
+KINDS = {
+    "dflash": dict(dest=DEST, title="DFlash drafter", method="dflash",
+                   use="loaded by default by `blockdraft generate`, `bench` and `serve` for the default target"),
+    "eagle3": dict(dest=EAGLE_DEST, title="EAGLE-3-style baseline drafter", method="eagle3",
+                   use="the baseline that `blockdraft bench --methods eagle3` compares DFlash with; loaded "
+                       "when method eagle3 is asked for"),
+}
 
 
 def data_summary(folder: str) -> tuple[collections.Counter, int, int]:
@@ -41,38 +52,8 @@ def data_summary(folder: str) -> tuple[collections.Counter, int, int]:
     return sources, train, valid
 
 
-def ship_eagle(run: Path):
-    """The EAGLE-3-style baseline (bench method eagle3), with a short card from its run."""
-    from blockdraft.eagle import EagleDrafter
-
-    state = json.loads((run / "checkpoint" / "state.json").read_text())
-    cfg = state["config"]
-    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
-    drafter = EagleDrafter.load(run / "drafter")
-    drafter.save(EAGLE_DEST, dtype=torch.float16)
-    n_params = sum(p.numel() for p in drafter.parameters())
-    curve = "".join(f"| {m['step']} | {m.get('tokens_seen', 0) / 1e3:.0f}K | {m['tau']:.3f} |\n"
-                    for m in metrics if "tau" in m)
-    (EAGLE_DEST / "README.md").write_text(f"""# EAGLE-3-style baseline drafter for SmolLM2-135M-Instruct
-
-The baseline `blockdraft bench --methods eagle3` compares
-DFlash with. One decoder layer, {n_params / 1e6:.1f}M parameters, fed the target's layers
-{drafter.config.target_layer_ids} fused by `fc`; drafts chains of up to {cfg['block_size'] - 1} tokens.
-Trained by `blockdraft train --arch eagle3` with the same data, steps ({state['step']} x
-{cfg['batch_size']} sequences, {state.get('tokens_seen', 0) / 1e3:.0f}K tokens), anchors, schedule and draft
-vocabulary as the shipped DFlash drafter (`scripts/train_shipped.sh`). Loaded when method eagle3 is asked for.
-
-## τ on held-out ShareGPT prompts during training (real decode loop, 64 new tokens)
-
-| step | tokens seen | τ |
-|---|---|---|
-""" + curve)
-
-
 def scaling_table(path: str, arch: str = "dflash") -> str:
     """The data-scaling curve of this recipe (one record per size, the newest of each), as a markdown table."""
-    from experiments import records  # scripts/experiments.py, beside this script
-
     rows = {}
     for rec in records(path):
         if rec.get("kind") == "scaling" and rec.get("arch") == arch:
@@ -91,26 +72,10 @@ def block_of(method: str, cfg: dict) -> int:
     return int(method.split("@")[1]) if "@" in method else cfg["block_size"]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("run")
-    ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
-    ap.add_argument("--eagle", help="also ship the EAGLE-3-style baseline trained in this run folder")
-    ap.add_argument("--scaling", default=str(SCALING_LOG),
-                    help="experiment log whose data-scaling records (scripts/experiments.py scaling) go in the card")
-    args = ap.parse_args()
-    if args.eagle:
-        ship_eagle(Path(args.eagle))
-    run = Path(args.run)
-    state = json.loads((run / "checkpoint" / "state.json").read_text())
-    cfg = state["config"]
-    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
-    drafter = DFlashDrafter.load(run / "drafter")
-    drafter.save(DEST, dtype=torch.float16)
-
-    taus, samples = {}, {}
+def measured_taus(args, run: Path, dest: Path, method: str) -> tuple[dict, dict, int]:
+    """τ per dataset and bench method (`dflash`, `dflash@4`, ...), and the prompts per dataset:
+    read from --bench, or measured on the shipped copy at its trained block (output under RUN/)."""
+    taus, samples, max_new = {}, {}, args.max_new_tokens
     for dataset in DATASETS:
         if args.bench:
             path = Path(args.bench) / dataset / "results.json"
@@ -120,13 +85,32 @@ def main():
         else:
             out = run / f"bench-{dataset}"
             subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
-                            "--methods", "dflash", "--max-samples", str(args.samples), "--max-new-tokens",
-                            str(args.max_new_tokens), "--draft", str(DEST), "--out", str(out)], check=True)
+                            "--methods", method, "--max-samples", str(args.samples),
+                            "--max-new-tokens", str(args.max_new_tokens), "--draft" if method == "dflash" else "--eagle",
+                            str(dest), "--out", str(out)], check=True)
             report = json.loads((out / "results.json").read_text())
-        taus[dataset] = {name: m["tau"] for name, m in report["methods"].items() if name.split("@")[0] == "dflash"}
+        taus[dataset] = {name: m["tau"] for name, m in report["methods"].items() if name.split("@")[0] == method}
         samples[dataset] = report["num_prompts"]
-        args.max_new_tokens = report["max_new_tokens"]
+        max_new = report["max_new_tokens"]
+    if not taus or not any(taus.values()):
+        raise SystemExit(f"no {method} results to put in the card (--bench {args.bench})")
+    return taus, samples, max_new
 
+
+def ship(args, run: Path, arch: str):
+    from blockdraft.draft import DFlashDrafter
+    from blockdraft.eagle import EagleDrafter
+
+    kind = KINDS[arch]
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    cfg = state["config"]
+    if cfg.get("arch", "dflash") != arch:
+        raise SystemExit(f"{run} trained a {cfg.get('arch', 'dflash')} drafter, not {arch}")
+    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    drafter = (DFlashDrafter if arch == "dflash" else EagleDrafter).load(run / "drafter")
+    drafter.save(kind["dest"], dtype=torch.float16)
+
+    taus, samples, max_new = measured_taus(args, run, kind["dest"], kind["method"])
     curve = [(m["step"], m.get("tokens_seen"), m["tau"]) for m in metrics if "tau" in m]
     wall = max(m["elapsed"] for m in metrics)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -143,32 +127,61 @@ def main():
     epochs = presented / distinct
     vocab = f"{cfg['draft_vocab']} (most frequent answer tokens)" if cfg.get("draft_vocab") else "full"
     warmup = f"{cfg['warmup_steps']} steps" if cfg.get("warmup_steps") else f"{cfg['warmup_frac']:.0%}"
-    card = f"""# DFlash drafter for SmolLM2-135M-Instruct
+    threads = state.get("threads") or next((r.get("threads") for r in records(args.scaling)
+                                             if r.get("config", {}).get("out") == str(run)), None)
+    threads = f"{threads} threads, " if threads else ""
+    if arch == "dflash":
+        shape = (f"{cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size "
+                 f"{cfg['block_size']} (drafted in one pass), target layers {drafter.config.target_layer_ids}, "
+                 f"mask token {cfg['mask_token_id']}")
+        fmt = "Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
+    else:
+        shape = (f"1 decoder layer, {n_params / 1e6:.1f}M parameters, chains of up to {cfg['block_size'] - 1} "
+                 f"tokens (one pass per token), target layers {drafter.config.target_layer_ids} fused by `fc`")
+        fmt = "blockdraft's own format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
+    card = f"""# {kind['title']} for SmolLM2-135M-Instruct
 
-Trained by `blockdraft train` (the open recipe in this repository) on this project's CPU
-machine; loaded by default by `blockdraft generate`, `bench` and `serve` for the default target.
-Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding / LM head).
+Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}` (the open recipe in this repository) on
+this project's CPU machine; {kind['use']}. {fmt}
 
 | | |
 |---|---|
-| drafter | {cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size {cfg['block_size']}, target layers {drafter.config.target_layer_ids}, mask token {cfg['mask_token_id']}, draft vocabulary {vocab}, initialised from {cfg.get('init', 'random')} |
+| drafter | {shape}, draft vocabulary {vocab}, initialised from {cfg.get('init', 'random')} |
 | data | answers regenerated greedily by SmolLM2-135M-Instruct (`{cfg['data']}`, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
 | training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
-| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({torch.get_num_threads()} threads, fp32, torch {torch.__version__}) |
+| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}fp32, torch {torch.__version__}) |
 
-## Measured acceptance length τ (greedy, up to {args.max_new_tokens} new tokens)
+## Measured acceptance length τ (greedy, up to {max_new} new tokens)
 
 {tau_table}
 
-Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples {next(iter(samples.values()))} --max-new-tokens {args.max_new_tokens}`.
+Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples {next(iter(samples.values()))} --max-new-tokens {max_new}`.
 
 ## τ on held-out prompts during training (real decode loop, {cfg['eval_max_new_tokens']} new tokens)
 
 | step | tokens seen | τ |
 |---|---|---|
-""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling)
-    (DEST / "README.md").write_text(card)
+""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling, arch)
+    (kind["dest"] / "README.md").write_text(card)
     print(card)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", nargs="?", help="the DFlash drafter's run folder (checkpoint/, drafter/, metrics.jsonl)")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
+    ap.add_argument("--eagle", help="ship the EAGLE-3-style baseline trained in this run folder")
+    ap.add_argument("--scaling", default=str(SCALING_LOG),
+                    help="experiment log whose data-scaling records (scripts/experiments.py scaling) go in the card")
+    args = ap.parse_args()
+    if not args.run and not args.eagle:
+        ap.error("name a DFlash run folder, --eagle RUN, or both")
+    if args.eagle:
+        ship(args, Path(args.eagle), "eagle3")
+    if args.run:
+        ship(args, Path(args.run), "dflash")
 
 
 if __name__ == "__main__":

@@ -577,3 +577,42 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
         FeatureCache(cache, target, [1, 3])
     with pytest.raises(BlockdraftError, match="soft labels"):
         Trainer(tiny_config(root, tmp_path / "soft", feature_cache=str(cache), distill=0.5))
+
+
+@pytest.mark.parametrize("arch", ["dflash", "eagle3"])
+def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny_corpus, tmp_path, monkeypatch, arch):
+    """scripts/ship_drafter.py: the shipped copy is the run's drafter in fp16 and its card carries
+    the run's own steps, samples, threads and the τ of the bench run it is given."""
+    import argparse
+
+    scripts = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    import ship_drafter
+
+    from blockdraft.eagle import EagleDrafter
+
+    root, *_ = tiny_corpus
+    cfg = tiny_config(root, tmp_path / "run", arch=arch, max_steps=8, save_every=4)
+    Trainer(cfg).run()
+    bench = tmp_path / "bench"
+    method = "dflash" if arch == "dflash" else "eagle3"
+    for dataset, tau in (("humaneval", 1.234), ("gsm8k", 2.5)):
+        (bench / dataset).mkdir(parents=True)
+        (bench / dataset / "results.json").write_text(json.dumps({
+            "num_prompts": 3, "max_new_tokens": 32,
+            "methods": {"ar": {"tau": 1.0}, f"{method}@3": {"tau": tau}, "lookup": {"tau": 9.0}}}))
+    dest = tmp_path / "shipped"
+    monkeypatch.setitem(ship_drafter.KINDS, arch, {**ship_drafter.KINDS[arch], "dest": dest})
+    args = argparse.Namespace(bench=str(bench), scaling=str(tmp_path / "none.jsonl"), samples=3, max_new_tokens=32)
+    ship_drafter.ship(args, tmp_path / "run", arch)
+    cls = DFlashDrafter if arch == "dflash" else EagleDrafter
+    trained, shipped = cls.load(tmp_path / "run" / "drafter"), cls.load(dest)
+    for (name, a), b in zip(trained.state_dict().items(), shipped.state_dict().values()):
+        assert torch.equal(a.half().float(), b.float()), name
+    card = (dest / "README.md").read_text()
+    assert "8 steps x 4 sequences" in card and "16 training samples" in card
+    assert f"({torch.get_num_threads()} threads, " in card
+    assert "| HumanEval | first 3 | 1.23 |" in card and "| GSM8K | first 3 | 2.50 |" in card
+    assert "9.00" not in card and "MT-Bench" not in card  # other methods and datasets stay out
+    with pytest.raises(SystemExit, match="trained a"):
+        ship_drafter.ship(args, tmp_path / "run", "eagle3" if arch == "dflash" else "dflash")

@@ -526,6 +526,7 @@ class Trainer:
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
                                                     "elapsed": self.elapsed + time.perf_counter() - self._t0,
+                                                    "threads": torch.get_num_threads(), "processes": self.world,
                                                     "config": asdict(self.cfg)}, indent=2))
         final = self.out / "checkpoint"
         old = None
