@@ -1,5 +1,5 @@
 """Matrix products for decode- and verify-sized inputs on CPU (fp32): the fastest of three
-kernels per weight shape and row count, chosen by measuring them on this machine.
+kernels per weight shape and row count, chosen by measuring them on this machine (cold cache).
 
 A decode step multiplies every weight matrix by one row; a verify step by a handful of rows
 (the block's tokens). Which kernel does that fastest depends on the CPU, and by a lot:
@@ -10,7 +10,7 @@ A decode step multiplies every weight matrix by one row; a verify step by a hand
   memory per count). On the Intel CPU it brought an 8-token forward from 2.5 to about 1.5
   decode steps.
 - `onednn`: oneDNN's inner product on a weight reordered once into its blocked layout
-  (the weight's memory once for 2-16 rows). On the AMD CPU the LM head's product over 3 rows takes 10 ms
+  (the weight's memory once, for 1-16 rows). On the AMD CPU the LM head's product over 3 rows takes 10 ms
   against plain's 42 ms and mkl's 26 ms.
 (`python scripts/engine_costs.py` prints the forward's cost per row count.)
 
@@ -85,17 +85,18 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-ONEDNN_HINT = 16  # oneDNN's layout hint for 2+ rows: one reordered copy serves them all as fast
+ONEDNN_HINT = 16  # oneDNN's layout hint: one reordered copy serves every row count, 1 to 16
 
 
 def _pack_key(kernel: str, size: int):
     """Which packed copy a (kernel, size) product uses: MKL packs per row count; oneDNN's
-    reordered weight is as fast for any 2-16 rows whatever row count it was made for (measured;
-    a copy made for 1 row is slower there), so 2+ rows share one."""
+    copy reordered for 16 rows is as fast for any 2-16 rows and, on an AVX-512 AMD EPYC, for
+    one row too (a copy made for 1 row took 1.0-1.7x its time there, cold cache; measured with
+    every weight shape of the default target), so all row counts share it."""
     if kernel == "mkl":
         return ("mkl", size)
     if kernel == "onednn":
-        return ("onednn", 1 if size == 1 else ONEDNN_HINT)
+        return ("onednn", ONEDNN_HINT)
     return None
 
 
@@ -117,19 +118,31 @@ def _run(kernel: str, flat: torch.Tensor, pack, weight: torch.Tensor, bias, size
     return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
 
 
-def _measure(weight: torch.Tensor, bias, size: int, runs: int = 5) -> str:
-    """The fastest available kernel for this weight's shape at `size` rows (median of `runs`)."""
+MEASURE_BYTES = 64 << 20  # weight copies cycled through when timing a kernel: more than a CPU's cache
+
+
+def _measure(weight: torch.Tensor, bias, size: int, runs: int = 3) -> str:
+    """The fastest available kernel for this weight's shape at `size` rows (median of `runs`).
+    Timed as a forward meets it, with the weight not in cache: one product each over enough
+    copies of the weight to outgrow the caches (a few-row product streams its weight from
+    memory; timing one weight again and again, hot in cache, picked kernels that were 2x
+    slower in the model on an AMD EPYC)."""
+    copies = [weight.detach()] + [torch.randn_like(weight) for _ in range(MEASURE_BYTES // (weight.numel() * 4) - 1)]
+    repeat = max(1, 8 // len(copies))  # a weight larger than the caches: 8 products a run
     x = torch.randn(size, weight.shape[1], dtype=weight.dtype)
     best, best_time = "plain", float("inf")
     with torch.no_grad():
         for kernel in available_kernels():
-            pack = _pack(kernel, weight, size)
-            _run(kernel, x, pack, weight, bias, size)  # warm-up
+            pairs = [(w, _pack(kernel, w, size)) for w in copies] * repeat
+            for w, pack in pairs:  # warm-up
+                _run(kernel, x, pack, w, bias, size)
             times = []
             for _ in range(runs):
                 t = time.perf_counter()
-                _run(kernel, x, pack, weight, bias, size)
+                for w, pack in pairs:
+                    _run(kernel, x, pack, w, bias, size)
                 times.append(time.perf_counter() - t)
+            del pairs
             if statistics.median(times) < best_time:
                 best, best_time = kernel, statistics.median(times)
     return best
