@@ -371,7 +371,8 @@ def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(ti
 def test_mixed_precision_training_bf16_target_fp32_drafter(tiny_corpus, tmp_path):
     """A bf16 target with an fp32 drafter under autocast (the CUDA configuration), on CPU: the
     drafter keeps fp32 weights, its first loss matches the fp32 run's to bf16 precision, the loss
-    falls, and the held-out tau evaluation runs the drafter in the target's dtype."""
+    falls, the held-out tau evaluation runs the drafter in the target's dtype, and the
+    teacher-forced evaluation agrees with the fp32 one on the same drafter."""
     root = tiny_corpus[0]
     kw = dict(max_steps=30, lr=1e-2, save_every=10_000, eval_every=30, log_every=1)
     ref = Trainer(tiny_config(root, tmp_path / "fp32", **kw))
@@ -385,6 +386,10 @@ def test_mixed_precision_training_bf16_target_fp32_drafter(tiny_corpus, tmp_path
     records = [json.loads(l) for l in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < 0.7 * first["loss"]
     assert records[-1]["tau"] >= 1.0
+    ref.drafter.load_state_dict(mixed.drafter.state_dict())
+    blocks, blocks_ref = mixed.evaluate_blocks(num_samples=8), ref.evaluate_blocks(num_samples=8)
+    assert blocks["blocks"] == blocks_ref["blocks"] > 0
+    assert blocks["val_ce"] == pytest.approx(blocks_ref["val_ce"], rel=0.05, abs=0.05)
 
 
 def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(tiny_corpus, tmp_path):

@@ -497,7 +497,7 @@ class Trainer:
             if self.to_draft is not None:
                 labels = torch.where(labels >= 0, self.to_draft[labels.clamp(min=0)], labels)
             for row in range(hidden.shape[0]):  # one row's logits at a time (full vocabularies are large)
-                logits = F.linear(hidden[row], head).float()
+                logits = F.linear(hidden[row].to(head.dtype), head).float()  # bf16 head: hidden is fp32
                 y = labels[row]
                 scored = y >= 0  # labelled and (with a draft vocabulary) in it
                 right = (logits.argmax(-1) == y) & scored
