@@ -67,6 +67,21 @@ def scaling_table(path: str, arch: str = "dflash") -> str:
             "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body)
 
 
+ANCESTRY_ROWS = ("| data |", "| training |", "| training time |", "| warm start |")
+
+
+def ancestry(init_from: str | None) -> str:
+    """The card rows saying what a warm start started from: the data, training and time rows of
+    the model card in the --init-from folder (its own warm start row too, so a chain of warm
+    starts stays on the card), read before a ship overwrites that folder; '' for a cold start."""
+    if not init_from:
+        return ""
+    card = Path(init_from) / "README.md"
+    rows = [l for l in card.read_text().splitlines() if l.startswith(ANCESTRY_ROWS)] if card.is_file() else []
+    cells = "; ".join(l.strip("| ").replace(" | ", ": ", 1).replace(" |", "") for l in rows)
+    return f"| warm start | from `{init_from}`" + (f", itself trained so: {cells}" if cells else "") + " |\n"
+
+
 def block_of(method: str, cfg: dict) -> int:
     """The block size a bench method name ran at (`dflash@4` -> 4, `dflash` -> the trained one)."""
     return int(method.split("@")[1]) if "@" in method else cfg["block_size"]
@@ -107,6 +122,7 @@ def ship(args, run: Path, arch: str):
     if cfg.get("arch", "dflash") != arch:
         raise SystemExit(f"{run} trained a {cfg.get('arch', 'dflash')} drafter, not {arch}")
     metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    parent = ancestry(cfg.get("init_from"))  # before the copy below may overwrite that folder
     drafter = (DFlashDrafter if arch == "dflash" else EagleDrafter).load(run / "drafter")
     drafter.save(kind["dest"], dtype=torch.float16)
 
@@ -130,6 +146,10 @@ def ship(args, run: Path, arch: str):
     threads = state.get("threads") or next((r.get("threads") for r in records(args.scaling)
                                              if r.get("config", {}).get("out") == str(run)), None)
     threads = f"{threads} threads, " if threads else ""
+    # Runs saved before the resolved dtype was recorded: the one asked for (auto meant fp32 on CPU).
+    dtype = state.get("target_dtype") or {"auto": "float32"}.get(cfg.get("dtype", "auto"), cfg.get("dtype"))
+    precision = "fp32" if dtype == "float32" else f"{dtype} target, fp32 drafter under autocast"
+    init = "the warm start below" if cfg.get("init_from") else cfg.get("init", "random")
     if arch == "dflash":
         shape = (f"{cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size "
                  f"{cfg['block_size']} (drafted in one pass), target layers {drafter.config.target_layer_ids}, "
@@ -146,11 +166,11 @@ this project's CPU machine; {kind['use']}. {fmt}
 
 | | |
 |---|---|
-| drafter | {shape}, draft vocabulary {vocab}, initialised from {cfg.get('init', 'random')} |
+| drafter | {shape}, draft vocabulary {vocab}, initialised from {init} |
 | data | answers regenerated greedily by SmolLM2-135M-Instruct (`{cfg['data']}`, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
 | training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
-| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}fp32, torch {torch.__version__}) |
-
+| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}{precision}, torch {torch.__version__}) |
+{parent}
 ## Measured acceptance length τ (greedy, up to {max_new} new tokens)
 
 {tau_table}

@@ -1,10 +1,15 @@
-"""Where a training step's time goes, and what the feature cache saves (the README's figures).
+"""Where a training step's time goes, what the feature cache saves, and what a bf16 target
+buys on a CPU that multiplies bf16 natively (the README's figures).
 
-For each architecture (the scaling runs' settings on the default data): the target's forward
-alone, then --steps steps that compute and store the features in a fresh cache, then the same
-steps reading them back; prints the medians (the first step of each pass is left out).
+For each architecture and target dtype (the scaling runs' settings on the default data): the
+target's forward alone, then --steps steps that compute and store the features in a fresh
+cache, then the same steps reading them back; prints the medians (the first step of each pass
+is left out). With --tau-samples N, also the shipped drafter's teacher-forced acceptance on N
+held-out answers under each dtype: whether a drafter trained on one dtype's features serves
+on the other's.
 
     .venv/bin/python scripts/train_step_costs.py [--arch dflash eagle3] [--steps 6]
+        [--dtype float32 bfloat16] [--tau-samples 64]
 """
 
 import argparse
@@ -15,6 +20,7 @@ import time
 
 import torch
 
+from blockdraft.engine import shipped_drafter
 from blockdraft.train.trainer import TrainConfig, Trainer
 
 SETTINGS = {
@@ -28,39 +34,57 @@ def main():
     ap.add_argument("--arch", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--data", default="data/regen/smollm2-135m-instruct")
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="the target's dtype (bfloat16: the drafter under autocast, as `train --dtype`)")
+    ap.add_argument("--tau-samples", type=int, default=0,
+                    help=">0: the shipped drafter's teacher-forced tau on this many held-out answers, per dtype")
     args = ap.parse_args()
     for arch in args.arch:
-        with tempfile.TemporaryDirectory() as tmp:
-            tr = Trainer(TrainConfig(data=args.data, out=f"{tmp}/run", max_steps=100, batch_size=4, lr=1e-3,
-                                     draft_vocab=8192, max_seq_len=512, eval_every=10**9, save_every=10**9,
-                                     feature_cache=f"{tmp}/cache", **SETTINGS[arch]))
-            layers = tuple(tr.drafter.config.target_layer_ids)
+        for dtype in args.dtype:
+            measure(args, arch, dtype)
 
-            def timed(run):
-                out = []
-                for s in range(args.steps):
-                    t = time.perf_counter()
-                    run(s)
-                    out.append(time.perf_counter() - t)
-                return statistics.median(out[1:])
 
-            def target_only(s):
-                batch = tr.batch_at(s)
-                with torch.no_grad():
-                    n, w = batch.tokens.shape
-                    tr.target(batch.tokens, torch.arange(w).expand(n, -1), capture=layers, features_only=True)
+def measure(args, arch: str, dtype: str):
+    shipped = shipped_drafter(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(TrainConfig(data=args.data, out=f"{tmp}/run", max_steps=100, batch_size=4, lr=1e-3,
+                                 draft_vocab=8192, max_seq_len=512, eval_every=10**9, save_every=10**9,
+                                 feature_cache=f"{tmp}/cache", dtype=dtype, **SETTINGS[arch],
+                                 init_from=str(shipped) if shipped else None))
+        layers = tuple(tr.drafter.config.target_layer_ids)
+        if args.tau_samples > 0 and shipped:  # before any step changes the drafter
+            cache, tr.features = tr.features, None  # the live target's features, in this dtype
+            blocks = tr.evaluate_blocks(num_samples=args.tau_samples)
+            tr.features = cache
+            print(f"{arch} ({dtype} target): shipped drafter's teacher-forced tau {blocks['tau_blocks']:.4f} "
+                  f"over {blocks['blocks']} held-out blocks", file=sys.stderr)
 
-            def step(s):
-                tr.step = s
-                tr.train_step()
+        def timed(run):
+            out = []
+            for s in range(args.steps):
+                t = time.perf_counter()
+                run(s)
+                out.append(time.perf_counter() - t)
+            return statistics.median(out[1:])
 
-            forward = timed(target_only)
-            storing = timed(step)
-            reading = timed(step)
-            print(f"{arch}: target forward {forward:.2f} s of a {storing:.2f} s step ({forward / storing:.0%}) that "
-                  f"also stores the features; reading them back: {reading:.2f} s ({storing / reading:.1f}x)",
-                  file=sys.stderr)
-            tr.features.close()
+        def target_only(s):
+            batch = tr.batch_at(s)
+            with torch.no_grad(), tr.autocast:
+                n, w = batch.tokens.shape
+                tr.target(batch.tokens, torch.arange(w).expand(n, -1), capture=layers, features_only=True)
+
+        def step(s):
+            tr.step = s
+            tr.train_step()
+
+        forward = timed(target_only)
+        storing = timed(step)
+        reading = timed(step)
+        print(f"{arch} ({dtype} target): target forward {forward:.2f} s of a {storing:.2f} s step "
+              f"({forward / storing:.0%}) that also stores the features; reading them back: {reading:.2f} s "
+              f"({storing / reading:.1f}x)",
+              file=sys.stderr)
+        tr.features.close()
 
 
 if __name__ == "__main__":

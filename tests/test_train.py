@@ -621,3 +621,12 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
     assert "9.00" not in card and "MT-Bench" not in card  # other methods and datasets stay out
     with pytest.raises(SystemExit, match="trained a"):
         ship_drafter.ship(args, tmp_path / "run", "eagle3" if arch == "dflash" else "dflash")
+    assert "| warm start |" not in card and "fp32, torch" in card
+    # A warm start from the shipped folder ships over it; its card keeps the first run's rows.
+    Trainer(tiny_config(root, tmp_path / "warm", arch=arch, max_steps=4, save_every=4, dtype="bfloat16",
+                        init_from=str(dest))).run()
+    ship_drafter.ship(args, tmp_path / "warm", arch)
+    warm = (dest / "README.md").read_text()
+    assert "4 steps x 4 sequences" in warm and "bfloat16 target, fp32 drafter under autocast" in warm
+    assert f"| warm start | from `{dest}`, itself trained so: " in warm
+    assert "training: 8 steps x 4 sequences" in warm and "initialised from the warm start below" in warm

@@ -527,6 +527,7 @@ class Trainer:
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
                                                     "elapsed": self.elapsed + time.perf_counter() - self._t0,
                                                     "threads": torch.get_num_threads(), "processes": self.world,
+                                                    "target_dtype": str(self.dtype).removeprefix("torch."),
                                                     "config": asdict(self.cfg)}, indent=2))
         final = self.out / "checkpoint"
         old = None
