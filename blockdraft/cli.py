@@ -138,8 +138,9 @@ def cmd_data_regenerate(args) -> int:
         from .models.default import default_target_dir
         from .train.remote import RemoteTarget
 
-        if args.method != "ar" or args.draft:
-            raise BlockdraftError("--server: the server decodes; --method and --draft apply to in-process regeneration")
+        if args.method != "ar" or args.draft or args.dtype:
+            raise BlockdraftError("--server: the server decodes; --method, --draft and --dtype apply to in-process "
+                                  "regeneration")
         folder = args.target or default_target_dir()
         tokenizer = load_tokenizer(folder)
         source = RemoteTarget(args.server, tokenizer, stop_token_ids(folder, tokenizer), api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
@@ -147,7 +148,10 @@ def cmd_data_regenerate(args) -> int:
     else:
         from .engine import Engine
 
-        source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash")
+        import torch
+
+        source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash",
+                             dtype=getattr(torch, args.dtype) if args.dtype else None)
     stats = regenerate(source, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                        temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds,
@@ -335,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")
+    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the target's precision (default: bf16 on CUDA, fp32 on CPU; bf16 pays on CPUs that "
+                        "multiply it natively, AVX512-BF16 or AMX; greedy answers can then differ from fp32's "
+                        "where two tokens nearly tie; samples record it)")
     r.add_argument("--server", metavar="URL",
                    help="answer through this OpenAI-compatible server (vLLM, SGLang, blockdraft serve) instead of "
                         "in-process, e.g. http://127.0.0.1:8000")

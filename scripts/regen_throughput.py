@@ -16,6 +16,12 @@ With --out DIR the answers are real training data, written (resumably) into DIR 
 through `blockdraft serve --method ar --max-batch C` on loopback (`data regenerate --server`,
 C requests in flight), one after the other for --rounds rounds in alternating order, and prints
 the rates, their ratio per round, and whether the answers agree.
+
+`--dtype bfloat16` runs the target in bf16 (it pays on CPUs that multiply bf16 natively,
+AVX512-BF16 or AMX). `--compare-dtype N` answers the same N prompts with an fp32 and a bf16
+target, twice each, interleaved, and prints the rates and how far the greedy answers agree:
+
+    .venv/bin/python scripts/regen_throughput.py --compare-dtype 128 --batches 128 --mix sharegpt
 """
 
 import argparse
@@ -58,6 +64,10 @@ def main():
     ap.add_argument("--compare-prefix", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts with the chat template's shared start prefilled "
                          "once and without, twice each, interleaved, and print the wall times")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's precision")
+    ap.add_argument("--compare-dtype", type=int, metavar="PROMPTS",
+                    help="answer this many prompts with an fp32 and a bf16 target, twice each, interleaved; "
+                         "print the rates and how far the answers agree")
     ap.add_argument("--no-share-prefix", action="store_true",
                     help="prefill every prompt whole (default: the chat template's shared start once)")
     args = ap.parse_args()
@@ -67,7 +77,9 @@ def main():
         return compare_runs(args)
     if args.server_compare:
         return server_compare(args)
-    engine = Engine.load(use_draft=False)
+    if args.compare_dtype:
+        return compare_dtypes(args)
+    engine = Engine.load(use_draft=False, dtype=getattr(torch, args.dtype))
     rows = []
     for batch in args.batches:
         turned = []
@@ -95,7 +107,7 @@ def main():
                           "python": platform.python_version()},
               "date": time.strftime("%Y-%m-%d"), "mix": parse_mix(args.mix), "max_new_tokens": args.max_new_tokens,
               "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window,
-              "temperature": args.temperature, "top_p": args.top_p,
+              "temperature": args.temperature, "top_p": args.top_p, "dtype": args.dtype,
               "shared_prefix": not args.no_share_prefix, "results": rows}
     if args.json:
         with open(args.json, "w") as f:
@@ -138,6 +150,34 @@ def compare_runs(args):
         print(f"{label}: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens in {seconds:.0f} s "
               f"({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
     KVCache.permute = in_place
+
+
+def compare_dtypes(args):
+    """--compare-dtype: the same prompts answered by an fp32 and a bf16 target, twice each, interleaved."""
+    import itertools
+
+    engines = {name: Engine.load(use_draft=False, dtype=getattr(torch, name)) for name in ("float32", "bfloat16")}
+    prompts = list(itertools.islice(training_prompts(engines["float32"].tokenizer, args.mix, args.max_prompt_tokens),
+                                    args.offset, args.offset + args.compare_dtype))
+    answers, rates, batch = {}, {name: [] for name in engines}, max(args.batches)
+    for name in list(engines) * 2:
+        out = answers.setdefault(name, {})
+        t0 = time.perf_counter()
+        stats = answer_prompts(engines[name], iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
+                               max_prompt_tokens=args.max_prompt_tokens,
+                               on_sample=lambda s, out=out: out.setdefault(s["id"], s["answer_ids"]))
+        rates[name].append(stats.tokens / (time.perf_counter() - t0))
+        print(f"{name}, {batch} rows: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens, "
+              f"{rates[name][-1]:.0f} answer tok/s", flush=True)
+    a, b = answers["float32"], answers["bfloat16"]
+    same = sum(a[k] == b[k] for k in a)
+    agreed = total = 0
+    for k in a:  # answer tokens before the first difference, over fp32's answer lengths
+        n = next((i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y), min(len(a[k]), len(b[k])))
+        agreed, total = agreed + n, total + len(a[k])
+    print(f"bf16 / fp32 rate: {', '.join(f'{y / x:.2f}' for x, y in zip(rates['float32'], rates['bfloat16']))}; "
+          f"identical answers: {same} of {len(a)}; fp32 answer tokens before the first difference: "
+          f"{agreed} of {total} ({agreed / max(total, 1):.1%}) ({torch.get_num_threads()} threads, {cpu_name()})")
 
 
 def server_compare(args):

@@ -392,6 +392,25 @@ def test_mixed_precision_training_bf16_target_fp32_drafter(tiny_corpus, tmp_path
     assert blocks["val_ce"] == pytest.approx(blocks_ref["val_ce"], rel=0.05, abs=0.05)
 
 
+def test_regeneration_with_a_bf16_target_records_it(tiny_corpus, tokenizer):
+    """`data regenerate --dtype bfloat16`: the batched loop's answers are the bf16 target's own
+    one-by-one greedy answers, and each sample says which precision answered (fp32 ones do not)."""
+    from blockdraft import Engine
+    from blockdraft.train.data import answer_prompts
+
+    root, _, prompts, _ = tiny_corpus
+    items = [{"id": f"t/{i}", "split": "train", "prompt_ids": p} for i, p in enumerate(prompts[:5])]
+    for dtype in (torch.bfloat16, torch.float32):
+        engine = Engine(load_target(root / "target", dtype=dtype), tokenizer)
+        got = []
+        answer_prompts(engine, iter(items), max_new_tokens=16, batch_size=2, on_sample=got.append,
+                       share_prefix=False)
+        assert len(got) == 5
+        for s in got:
+            assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=16).token_ids
+            assert s.get("dtype") == ("bfloat16" if dtype == torch.bfloat16 else None)
+
+
 def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(tiny_corpus, tmp_path):
     from blockdraft.errors import BlockdraftError
 

@@ -257,11 +257,15 @@ def sample_seed(sample_id: str) -> int:
 
 
 def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str, temperature: float,
-                max_new_tokens: int) -> dict:
-    """The JSON line written for an answered prompt (its chat messages are not kept)."""
+                max_new_tokens: int, dtype: str | None = None) -> dict:
+    """The JSON line written for an answered prompt (its chat messages are not kept). `dtype`: the
+    precision the target ran in, when known (in-process); samples without it came from fp32."""
     fields = {k: v for k, v in prompt.items() if k != "messages"}
-    return {**fields, "answer_ids": answer_ids, "finish_reason": finish_reason, "method": method,
-            "temperature": temperature, "max_new_tokens": max_new_tokens}
+    sample = {**fields, "answer_ids": answer_ids, "finish_reason": finish_reason, "method": method,
+              "temperature": temperature, "max_new_tokens": max_new_tokens}
+    if dtype is not None and dtype != "float32":
+        sample["dtype"] = dtype
+    return sample
 
 
 @torch.inference_mode()
@@ -277,6 +281,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     the chat template's common start once and copy it into each prompt that begins with it
     (`DecodeLoop.share_prefix`)."""
     proposer = engine.proposer(method)
+    dtype = str(engine.target.dtype).removeprefix("torch.")
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
@@ -293,7 +298,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         p = pending.pop(k)
         if on_sample is not None:
             on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, temperature=temperature,
-                                  max_new_tokens=max_new_tokens))
+                                  max_new_tokens=max_new_tokens, dtype=dtype))
         stats.written += 1
         if bar is not None:
             bar.update(1)
