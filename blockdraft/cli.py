@@ -105,8 +105,8 @@ def cmd_demo(args) -> int:
         cfg = DraftConfig.for_target(engine.target.config, mask_token_id=DEFAULT_MASK_TOKEN_ID)
         engine.drafter = DFlashDrafter(cfg).to(engine.target.device, engine.target.dtype).eval()
     kwargs = dict(chat=True, max_new_tokens=args.max_new_tokens)
-    for method in ("ar", "dflash"):  # warm-up (the verify step's weights are packed on first use)
-        engine.generate(args.prompt, method=method, max_new_tokens=8)
+    for method in ("ar", "dflash", "dflash-cut"):  # warm-up: the verify step's weights are packed, and
+        engine.generate(args.prompt, method=method, max_new_tokens=32)  # each width's kernel timed, on first use
     ar = engine.generate(args.prompt, method="ar", **kwargs)
     runs = [engine.generate(args.prompt, method=m, **kwargs) for m in ("dflash", "dflash-cut")]
     for out in (ar, *runs):
@@ -340,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="the target's precision (default: bf16 on CUDA, fp32 on CPU; bf16 pays on CPUs that "
-                        "multiply it natively, AVX512-BF16 or AMX; greedy answers can then differ from fp32's "
-                        "where two tokens nearly tie; samples record it)")
+                   help="the target's precision (default: bf16 on CUDA, fp32 on CPU; greedy answers in bf16 can "
+                        "differ from fp32's where two tokens nearly tie; samples record a precision other than fp32)")
     r.add_argument("--server", metavar="URL",
                    help="answer through this OpenAI-compatible server (vLLM, SGLang, blockdraft serve) instead of "
                         "in-process, e.g. http://127.0.0.1:8000")

@@ -17,8 +17,7 @@ through `blockdraft serve --method ar --max-batch C` on loopback (`data regenera
 C requests in flight), one after the other for --rounds rounds in alternating order, and prints
 the rates, their ratio per round, and whether the answers agree.
 
-`--dtype bfloat16` runs the target in bf16 (it pays on CPUs that multiply bf16 natively,
-AVX512-BF16 or AMX). `--compare-dtype N` answers the same N prompts with an fp32 and a bf16
+`--dtype bfloat16` runs the target in bf16. `--compare-dtype N` answers the same N prompts with an fp32 and a bf16
 target, twice each, interleaved, and prints the rates and how far the greedy answers agree:
 
     .venv/bin/python scripts/regen_throughput.py --compare-dtype 128 --batches 128 --mix sharegpt

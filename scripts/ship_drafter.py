@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import subprocess
 import sys
@@ -62,7 +63,11 @@ def scaling_table(path: str, arch: str = "dflash") -> str:
         return ""
     body = "".join(f"| {n:,} | {r['epochs']} | {r['steps']:,} | {r.get('tau_blocks', float('nan')):.3f} | "
                    f"{r['tau']:.3f} | {r['val_acc'][0]:.3f} |\n" for n, r in sorted(rows.items()))
-    return ("\n## Data-scaling curve (the same recipe on the first N samples; `scripts/experiments.py scaling`)\n\n"
+    cfg = rows[max(rows)].get("config", {})
+    recipe = ", ".join(f"{name} {cfg[key]}" for name, key in (("block", "block_size"), ("anchors", "num_anchors"),
+                                                              ("lr", "lr"), ("schedule", "schedule")) if key in cfg)
+    return (f"\n## Data-scaling curve ({arch} on the first N samples, one epoch, from scratch; {recipe}; "
+            "`scripts/experiments.py scaling`)\n\n"
             "| distinct samples | epochs | steps | τ teacher-forced (held-out answers) | τ decode loop "
             "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body)
 
@@ -70,14 +75,29 @@ def scaling_table(path: str, arch: str = "dflash") -> str:
 ANCESTRY_ROWS = ("| data |", "| training |", "| training time |", "| warm start |")
 
 
-def ancestry(init_from: str | None) -> str:
+def run_id(state: dict) -> str:
+    """What tells one trained drafter from another on a card: its run's settings and progress."""
+    key = json.dumps([state["config"], state["step"], state.get("tokens_seen")], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def card_mark(state: dict) -> str:
+    return f"<!-- blockdraft run {run_id(state)} -->"
+
+
+def ancestry(init_from: str | None, state: dict | None = None) -> str:
     """The card rows saying what a warm start started from: the data, training and time rows of
     the model card in the --init-from folder (its own warm start row too, so a chain of warm
-    starts stays on the card), read before a ship overwrites that folder; '' for a cold start."""
+    starts stays on the card), read before a ship overwrites that folder; '' for a cold start.
+    When that card is already this run's own (`state`: shipped once, now shipped again), its
+    warm start row is kept as it is."""
     if not init_from:
         return ""
     card = Path(init_from) / "README.md"
-    rows = [l for l in card.read_text().splitlines() if l.startswith(ANCESTRY_ROWS)] if card.is_file() else []
+    lines = card.read_text().splitlines() if card.is_file() else []
+    if state is not None and card_mark(state) in lines:
+        return "".join(l + "\n" for l in lines if l.startswith("| warm start |"))
+    rows = [l for l in lines if l.startswith(ANCESTRY_ROWS)]
     cells = "; ".join(l.strip("| ").replace(" | ", ": ", 1).replace(" |", "") for l in rows)
     return f"| warm start | from `{init_from}`" + (f", itself trained so: {cells}" if cells else "") + " |\n"
 
@@ -122,7 +142,7 @@ def ship(args, run: Path, arch: str):
     if cfg.get("arch", "dflash") != arch:
         raise SystemExit(f"{run} trained a {cfg.get('arch', 'dflash')} drafter, not {arch}")
     metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
-    parent = ancestry(cfg.get("init_from"))  # before the copy below may overwrite that folder
+    parent = ancestry(cfg.get("init_from"), state)  # before the copy below may overwrite that folder
     drafter = (DFlashDrafter if arch == "dflash" else EagleDrafter).load(run / "drafter")
     drafter.save(kind["dest"], dtype=torch.float16)
 
@@ -181,7 +201,7 @@ Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --meth
 
 | step | tokens seen | τ |
 |---|---|---|
-""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling, arch)
+""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling, arch) + f"\n{card_mark(state)}\n"
     (kind["dest"] / "README.md").write_text(card)
     print(card)
 

@@ -271,7 +271,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
     reqs = [Request(chat_ids[i], max_new_tokens=N_NEW, stop_token_ids=(2,)) for i in idx]
     drafter = DFlashDrafter.load(shipped_drafter("dflash"))
     accepted = {}
-    for proposer, block in ((Proposer(), 1), (DFlashProposer(drafter, smol), 8)):
+    for proposer, block in ((Proposer(), 1), (DFlashProposer(drafter, smol), drafter.config.block_size)):
         for shared in (True, False):
             loop = DecodeLoop(smol, proposer, block, 2, 200)
             assert loop.share_prefix(prefix if shared else []) == shared
@@ -290,7 +290,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
 
     proposer, snaps = DFlashProposer(drafter, smol), []
     for shared in (True, False):
-        loop = DecodeLoop(smol, proposer, 8, 2, 200)
+        loop = DecodeLoop(smol, proposer, drafter.config.block_size, 2, 200)
         loop.share_prefix(prefix if shared else [])
         with torch.inference_mode():
             loop.admit([(k, reqs[k], SequenceState()) for k in range(2)])

@@ -649,3 +649,6 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
     assert "4 steps x 4 sequences" in warm and "bfloat16 target, fp32 drafter under autocast" in warm
     assert f"| warm start | from `{dest}`, itself trained so: " in warm
     assert "training: 8 steps x 4 sequences" in warm and "initialised from the warm start below" in warm
+    # Shipped again (say with a new bench run), the card still names the first run as the start.
+    ship_drafter.ship(args, tmp_path / "warm", arch)
+    assert (dest / "README.md").read_text() == warm
