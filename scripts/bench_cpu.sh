@@ -8,7 +8,7 @@ PY=${PY:-.venv/bin/python}
 N=${N:-8}
 R=${R:-1}  # repeats of every prompt (R=2 gives min-max spreads, at twice the time)
 OUT=${OUT:-bench-results}
-METHODS=${METHODS:-ar,lookup,eagle3@4,dflash@4,dflash,dflash-cut}  # add hf,hf-lookup@4,eagle3,dflash@2 for the full table
+METHODS=${METHODS:-ar,lookup,eagle3@4,dflash@3,dflash,dflash-cut}  # add hf,hf-lookup@4,eagle3,dflash@2 for the full table
 # llama.cpp on the same weights when llama-cpp-python is installed (`make peers`)
 if "$PY" -c "import llama_cpp" 2>/dev/null; then METHODS="$METHODS,llamacpp"; fi
 "$BIN" bench --dataset humaneval,mtbench,gsm8k --first-turn-only --max-samples "$N" --max-new-tokens 256 \
