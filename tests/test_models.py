@@ -147,3 +147,35 @@ def test_in_place_row_permutation_equals_indexing():
                 t = torch.randn(*shape, generator=g)
                 expect = t.index_select(dim, order)
                 assert torch.equal(permute_rows_(t, order, dim), expect) and torch.equal(t, expect)
+
+
+def test_bf16_weights_attend_in_fp32_on_cpu_and_stay_as_close_as_hf_bf16(tmp_path):
+    """bf16 weights on CPU: the products run in bf16, attention and the KV cache in fp32
+    (`attention_dtype`: a CPU's bf16 attention kernels are slower than its fp32 ones); the
+    logits through the cache (a prefill, then one token at a time) and without it are as close
+    to the fp32 reference as HF's own bf16 forward is, and the hidden state stays bf16."""
+    import copy
+
+    from blockdraft.models.layers import attention_dtype
+
+    assert attention_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    assert attention_dtype(torch.float32, "cpu") == torch.float32
+    hf = save_tiny_hf("llama", tmp_path)
+    ours = load_target(tmp_path, dtype=torch.bfloat16)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    seq = torch.randint(1, 97, (1, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref, theirs = hf(seq).logits[0], hf16(seq).logits[0].float()
+        cache = ours.new_cache(1, 64)
+        assert cache.k.dtype == cache.v.dtype == torch.float32
+        h, _ = ours(seq[:, :40], torch.arange(40)[None], cache)
+        rows = [ours.logits(h[0]).float()]
+        for p in range(40, 48):
+            h, _ = ours(seq[:, p:p + 1], torch.tensor([[p]]), cache)
+            rows.append(ours.logits(h[0]).float())
+        no_cache, _ = ours(seq, torch.arange(48)[None], None)
+    assert h.dtype == torch.bfloat16
+    err, hf_err = (torch.cat(rows) - ref).abs().max(), (theirs - ref).abs().max()
+    assert err <= 1.25 * hf_err, (float(err), float(hf_err))  # both mostly the weights' bf16 rounding
+    assert ((ours.logits(no_cache[0]).float() - ref).abs().max()) <= 1.25 * hf_err

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import RMSNorm, Rotary, apply_rotary, attend, attend_chunked, chunked_mask, permute_rows_
+from .layers import (RMSNorm, Rotary, apply_rotary, attend, attend_chunked, attention_dtype, chunked_mask,
+                     permute_rows_)
 
 
 class KVCache:
@@ -34,6 +35,7 @@ class KVCache:
 
     def __init__(self, layers: int, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, device):
         shape = (layers, batch, kv_heads, slots, head_dim)
+        dtype = attention_dtype(dtype, device)  # fp32 on CPU for bf16 / fp16 weights
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -53,8 +55,8 @@ class KVCache:
         if index is None:
             index = self.scatter_index(slots)
         kc, vc = self.k[layer, rows], self.v[layer, rows]  # views: writes land in the cache
-        kc.scatter_(2, index, k)
-        vc.scatter_(2, index, v)
+        kc.scatter_(2, index, k.to(kc.dtype))
+        vc.scatter_(2, index, v.to(vc.dtype))
         return kc[:, :, :used], vc[:, :, :used]
 
     def scatter_index(self, slots: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,10 @@ def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     """Attention of q [B, H, T, D] over k/v [B, KV, S, D]. `groups`: (row range, slots) pairs:
     each range of rows attends to its own first slots only (views, no copies). `chunk` > 0:
     `attend_chunked` with an additive mask."""
+
+    dtype = attention_dtype(q.dtype, q.device)
+    if dtype != q.dtype:  # bf16 / fp16 on CPU: attention in fp32 (`attention_dtype`), the result back
+        return attend_groups(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups, chunk).to(q.dtype)
 
     def run(q, k, v, mask):
         return attend_chunked(q, k, v, mask, chunk) if chunk else attend(q, k, v, mask)
