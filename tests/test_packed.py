@@ -106,3 +106,21 @@ def test_verify_logits_of_the_default_target_match_the_unpacked_model(smol_dir):
             out.append(model.logits(h))
     torch.testing.assert_close(out[1], out[0], atol=1e-3, rtol=1e-4)
     assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+
+
+def test_warm_up_measures_every_bucket_a_server_will_use(tmp_path):
+    """`Transformer.warm_up` (the scheduler calls it before serving): every packed product has
+    its kernel chosen for each row bucket up to the rows asked for, so no first step at a new
+    width pays for measuring and packing (the speculation policy would keep that cost)."""
+    from blockdraft.models import load_target
+    from blockdraft.models.packed import DEFAULT_SIZES, PackedLinear, pack_linears
+
+    from .conftest import save_tiny_hf
+
+    save_tiny_hf("llama", tmp_path)
+    model = load_target(tmp_path)
+    pack_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and not any(m.packs._kernels for m in linears)
+    model.warm_up(4)
+    assert all(sorted(m.packs._kernels) == [s for s in DEFAULT_SIZES if s <= 4] for m in linears)

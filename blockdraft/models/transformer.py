@@ -216,6 +216,19 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.chunk = chunk
 
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int):
+        """One forward of each row count the packed products bucket by (`packed.DEFAULT_SIZES`)
+        up to `max_rows`: a bucket's kernel is measured and its weights packed on first use,
+        and that one-off cost would otherwise land in the first step measured at that width,
+        where a cost model (the server's speculation policy) keeps it."""
+        from .packed import DEFAULT_SIZES
+
+        for rows in (r for r in DEFAULT_SIZES if r <= max_rows):
+            ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
+            hidden, _ = self(ids, torch.arange(rows, device=self.device)[None], self.new_cache(1, rows))
+            self.logits(hidden[0])
+
     def new_cache(self, batch: int, slots: int) -> KVCache:
         """Preallocated keys/values for `batch` sequences of `slots` cache slots each (rounded up
         to whole attention chunks)."""

@@ -149,6 +149,7 @@ class Scheduler:
                                sort_every=default_sort_every(self.proposer, max_batch))
         self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
                                         estimate=self.proposer.expected_tokens)
+        engine.target.warm_up(max_batch * self.loop.block_size)  # one-off costs out of the policy's timings
         self.max_queue = max_queue
         self.metrics = metrics
         self.waiting: collections.deque[Handle] = collections.deque()
