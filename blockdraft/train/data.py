@@ -281,7 +281,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     the chat template's common start once and copy it into each prompt that begins with it
     (`DecodeLoop.share_prefix`)."""
     proposer = engine.proposer(method)
-    dtype = str(engine.target.dtype).removeprefix("torch.")
+    dtype = engine.weights  # the precision (or quantized format) the target runs in
     block = proposer.default_block_size or proposer.max_block_size or 1
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
