@@ -130,7 +130,7 @@ def _interrupt_on_sigterm():
 
 
 def cmd_data_regenerate(args) -> int:
-    from .train.data import regenerate
+    from .train.data import AnswerSampling, regenerate
 
     _interrupt_on_sigterm()
     if args.server:
@@ -152,12 +152,16 @@ def cmd_data_regenerate(args) -> int:
 
         source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash",
                              dtype=getattr(torch, args.dtype) if args.dtype else None)
+    sampling = AnswerSampling(args.temperature, args.top_p, args.top_k)
     stats = regenerate(source, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                       max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                       temperature=args.temperature, top_p=args.top_p, method=args.method, seconds=args.seconds,
+                       max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, sampling=sampling,
+                       answers_per_prompt=args.answers_per_prompt, method=args.method, seconds=args.seconds,
                        concurrency=args.concurrency)
     print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
           f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
+    if stats.duplicates:
+        print(f"regenerate: {stats.duplicates} sampled answers repeated one already kept for their prompt and were "
+              "dropped (listed in dropped.txt)", file=sys.stderr)
     if args.server:
         if stats.from_text:
             print(f"regenerate: {stats.from_text} answers came as text only and were tokenized here; "
@@ -215,7 +219,8 @@ def cmd_bench(args) -> int:
     reports = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
                             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
-                            repeats=args.repeats, check_distribution=args.check_distribution, gguf=args.gguf)
+                            repeats=args.repeats, check_distribution=args.check_distribution, gguf=args.gguf,
+                            llamacpp_draft=(args.llamacpp_draft_type, args.llamacpp_full_vocab))
     for dataset, report in reports.items():
         print(f"== {dataset} ({report['num_prompts']} prompts)")
         for name, r in report["methods"].items():
@@ -253,6 +258,31 @@ def cmd_export_drafter(args) -> int:
     note = (f"; its {dropped['draft_vocab_size']}-token draft vocabulary is dropped (it now scores the whole "
             "vocabulary)" if dropped["draft_vocab_size"] else "")
     print(f"wrote {args.out} (published DFlash format, {args.dtype}){note}", file=sys.stderr)
+    return 0
+
+
+def cmd_export_gguf_drafter(args) -> int:
+    from .engine import shipped_drafter
+    from .export_gguf import export_gguf_drafter
+
+    src = args.drafter or shipped_drafter("dflash")
+    if src is None:
+        raise BlockdraftError("no drafter given and none shipped: pass the drafter folder")
+    if args.target_gguf:
+        target = args.target_gguf
+    elif args.drafter is None or args.default_target:
+        from .models.default import gguf_path
+
+        target = gguf_path()
+    else:
+        raise BlockdraftError("--target-gguf FILE: the GGUF of the target this drafter was trained for (its "
+                              "tokenizer goes into the drafter file; pass --default-target for the bundled one)")
+    info = export_gguf_drafter(src, args.out, target, args.type, args.full_vocab)
+    vocab = (f", draft vocabulary of {info['draft_vocab_size']} tokens (d2t + its own output rows)"
+             if info["draft_vocab_size"] else "")
+    print(f"wrote {args.out} ({info['bytes'] / 2**20:.1f} MiB, {info['weight_type']}, {info['layers']} layers, "
+          f"block {info['block_size']}{vocab}); run it with\n  llama-server -m TARGET.gguf --spec-type "
+          f"draft-dflash --spec-draft-model {args.out} --spec-draft-n-max {info['block_size'] - 1}", file=sys.stderr)
     return 0
 
 
@@ -334,8 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
     r.add_argument("--batch-size", type=int, default=128, help="rows decoded together (continuous batching)")
-    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
     r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    r.add_argument("--answers-per-prompt", type=int, default=1,
+                   help="sampled answers per prompt, each seeded by (prompt, answer index): a rerun resumes and "
+                        "never duplicates; an answer identical to one kept for its prompt is dropped")
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")
@@ -373,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--first-turn-only", action="store_true")
     b.add_argument("--out", help="folder for results.json, report.md and plots")
+    b.add_argument("--llamacpp-draft-type", choices=["F16", "BF16", "Q8_0", "F32"], default="F16",
+                   help="llamacpp-dflash: the drafter GGUF's weight type (default F16)")
+    b.add_argument("--llamacpp-full-vocab", action="store_true",
+                   help="llamacpp-dflash: leave the drafter's draft vocabulary out (llama.cpp scores the whole "
+                        "vocabulary with the target's head)")
     b.add_argument("--gguf", help="GGUF file for the llamacpp peers (default: the default target's F32 file, "
                                   "written once; see `blockdraft export gguf`)")
     _add_model_args(b)
@@ -392,6 +431,19 @@ def main(argv: list[str] | None = None) -> int:
     xd.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                     help="weights as stored (default: bfloat16, what the GPU engines run)")
     xd.set_defaults(func=cmd_export_drafter)
+    xq = xs.add_parser("gguf-drafter", help="a DFlash drafter as the GGUF llama.cpp's DFlash runs "
+                                            "(llama-server --spec-type draft-dflash --spec-draft-model FILE)")
+    xq.add_argument("drafter", nargs="?", help="drafter folder (default: the one shipped for the default target)")
+    xq.add_argument("--out", required=True, help="the .gguf file to write")
+    xq.add_argument("--target-gguf", help="the target's GGUF: its tokenizer is copied in and a draft vocabulary's "
+                                          "head rows come from it (default: the bundled default target's file)")
+    xq.add_argument("--default-target", action="store_true",
+                    help="the drafter is for the bundled default target (use its GGUF)")
+    xq.add_argument("--type", choices=["F16", "BF16", "Q8_0", "F32"], default="F16",
+                    help="weight type (default F16; norms stay F32; Q8_0 is the fastest on CPUs)")
+    xq.add_argument("--full-vocab", action="store_true",
+                    help="leave a draft vocabulary out: llama.cpp scores the whole vocabulary with the target's head")
+    xq.set_defaults(func=cmd_export_gguf_drafter)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     s.add_argument("--host", default="127.0.0.1")

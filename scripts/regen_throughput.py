@@ -33,7 +33,7 @@ import torch
 from blockdraft import Engine
 from blockdraft.models.transformer import KVCache
 from blockdraft.bench.runner import cpu_name
-from blockdraft.train.data import answer_prompts, parse_mix, regenerate, training_prompts
+from blockdraft.train.data import AnswerSampling, answer_prompts, parse_mix, regenerate, training_prompts
 
 
 def main():
@@ -89,8 +89,8 @@ def main():
             return bool(turned) and stats.seconds - turned[0] >= args.window
 
         common = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, max_prompt_tokens=args.max_prompt_tokens,
-                      until=until, share_prefix=not args.no_share_prefix, temperature=args.temperature,
-                      top_p=args.top_p)
+                      until=until, share_prefix=not args.no_share_prefix,
+                      sampling=AnswerSampling(args.temperature, args.top_p))
         if args.out:
             stats = regenerate(engine, args.out, mix=args.mix, progress=False, **common)
         else:
@@ -205,7 +205,7 @@ def server_compare(args):
                            str(args.max_prompt_tokens + args.max_new_tokens), "--log-level", "error") as proc:
             remote = RemoteTarget(proc.url, engine.tokenizer, engine.stop_token_ids, concurrency=c)
             t0 = time.perf_counter()
-            stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, temperature=0.0, top_p=1.0,
+            stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, sampling=AnswerSampling(),
                                           stats=RegenStats(), **common)
             rates["server"].append(stats.tokens / (time.perf_counter() - t0))
         print(f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, "

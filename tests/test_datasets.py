@@ -132,3 +132,48 @@ def test_regeneration_in_a_large_continuous_batch_equals_one_by_one(tmp_path):
     assert stats.written == 7 == len(got) and stats.tokens == sum(len(s["answer_ids"]) for s in got)
     for s in got:
         assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=12).token_ids
+
+
+def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resumes(tmp_path):
+    """`--answers-per-prompt 3 --temperature 1 --top-k 50`: every answer is the target's own seeded
+    sample for its (prompt, answer index) id, the settings are recorded, a rerun writes nothing new,
+    and asking for more answers later adds only the new indices."""
+    from blockdraft import Engine
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.train.data import AnswerSampling, iter_samples, prompt_of, regenerate, sample_seed
+
+    engine = Engine.load(use_draft=False)
+    sampling = AnswerSampling(1.0, 0.9, 50)
+    run = dict(mix="asdiv", limit=2, max_new_tokens=6, batch_size=4, progress=False, sampling=sampling)
+    stats = regenerate(engine, tmp_path, answers_per_prompt=3, **run)
+    samples = list(iter_samples(tmp_path))
+    dropped = set((tmp_path / "dropped.txt").read_text().split()) if stats.duplicates else set()
+    assert stats.written == len(samples) and stats.written + stats.duplicates == 6 == len(dropped) + len(samples)
+    assert len({prompt_of(s["id"]) for s in samples}) == 2
+    for s in samples:
+        assert s["prompt_id"] == prompt_of(s["id"]) and s["id"] == (
+            s["prompt_id"] if s["answer_index"] == 0 else f"{s['prompt_id']}~a{s['answer_index']}")
+        assert (s["temperature"], s["top_p"], s["top_k"]) == (1.0, 0.9, 50)
+        alone = engine.generate(s["prompt_ids"], method="ar", max_new_tokens=6, temperature=1.0, top_p=0.9,
+                                top_k=50, seed=sample_seed(s["id"]))
+        assert s["answer_ids"] == alone.token_ids
+    assert len({tuple(s["answer_ids"]) for s in samples}) > 2  # seeds differ per answer, not per prompt only
+    assert regenerate(engine, tmp_path, answers_per_prompt=3, **run).written == 0
+    more = regenerate(engine, tmp_path, answers_per_prompt=4, **run)
+    assert more.written + more.duplicates == 2
+    assert len(list(iter_samples(tmp_path))) == len(samples) + more.written
+    with pytest.raises(BlockdraftError, match="need sampling"):
+        regenerate(engine, tmp_path / "greedy", answers_per_prompt=2, **{**run, "sampling": AnswerSampling()})
+
+
+def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_path):
+    from blockdraft.train.data import AnswerDeduper
+
+    kept = [{"id": "p/1", "answer_ids": [5, 6, 2]}]
+    dedup = AnswerDeduper(tmp_path, kept)
+    assert not dedup.keep({"id": "p/1~a1", "answer_ids": [5, 6, 2]})  # same prompt, same answer
+    assert dedup.keep({"id": "p/1~a2", "answer_ids": [5, 7, 2]})
+    assert dedup.keep({"id": "q/1~a1", "answer_ids": [5, 6, 2]})  # another prompt may say the same
+    assert not dedup.keep({"id": "p/1~a3", "answer_ids": [5, 7, 2]})
+    again = AnswerDeduper(tmp_path, kept)  # a rerun knows what it dropped
+    assert again.dropped == {"p/1~a1", "p/1~a3"}

@@ -223,6 +223,7 @@ class ShardWriter:
 @dataclass
 class RegenStats:
     written: int = 0  # samples finished and written
+    duplicates: int = 0  # sampled answers identical to one kept for the same prompt (not written)
     tokens: int = 0  # answer tokens generated (finished or not)
     prompt_tokens: int = 0  # prompt tokens prefilled
     seconds: float = 0.0  # wall time of the decode loop (prefills included)
@@ -256,21 +257,96 @@ def sample_seed(sample_id: str) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") >> 1
 
 
-def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str, temperature: float,
-                max_new_tokens: int, dtype: str | None = None) -> dict:
+@dataclass(frozen=True)
+class AnswerSampling:
+    """How the target answers training prompts: greedy (temperature 0) or sampled with
+    temperature, top-p and top-k (0 = off), HF's order. Each answer is seeded by its sample id."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        SamplingParams(self.temperature, self.top_p, self.top_k, seed=0)  # the same range checks
+
+    def params(self, sample_id: str) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, seed=sample_seed(sample_id))
+
+    def fields(self) -> dict:
+        """What a sample records of its sampling (top-p / top-k only where they cut)."""
+        out = {"temperature": self.temperature}
+        if self.temperature > 0 and self.top_p < 1:
+            out["top_p"] = self.top_p
+        if self.temperature > 0 and self.top_k > 0:
+            out["top_k"] = self.top_k
+        return out
+
+
+ANSWER_SEP = "~a"  # sample id of a prompt's answer i > 0: f"{prompt id}~a{i}" (answer 0 keeps the prompt's id)
+
+
+def answer_id(prompt_id: str, index: int) -> str:
+    return prompt_id if index == 0 else f"{prompt_id}{ANSWER_SEP}{index}"
+
+
+def prompt_of(sample_id: str) -> str:
+    """The prompt id a sample answers (`answer_id`'s inverse)."""
+    return sample_id.split(ANSWER_SEP)[0]
+
+
+def answer_copies(prompts: Iterable[dict], answers_per_prompt: int) -> Iterator[dict]:
+    """Each prompt `answers_per_prompt` times, as samples to answer: copy i has the id
+    `answer_id(prompt id, i)` (and so its own seed) and records `prompt_id` / `answer_index`."""
+    for p in prompts:
+        for i in range(answers_per_prompt):
+            yield p if answers_per_prompt == 1 else {**p, "id": answer_id(p["id"], i), "prompt_id": p["id"],
+                                                     "answer_index": i}
+
+
+def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str,
+                sampling: AnswerSampling, max_new_tokens: int, dtype: str | None = None) -> dict:
     """The JSON line written for an answered prompt (its chat messages are not kept). `dtype`: the
     precision the target ran in, when known (in-process); samples without it came from fp32."""
     fields = {k: v for k, v in prompt.items() if k != "messages"}
     sample = {**fields, "answer_ids": answer_ids, "finish_reason": finish_reason, "method": method,
-              "temperature": temperature, "max_new_tokens": max_new_tokens}
+              **sampling.fields(), "max_new_tokens": max_new_tokens}
     if dtype is not None and dtype != "float32":
         sample["dtype"] = dtype
     return sample
 
 
+class AnswerDeduper:
+    """Drops an answer identical to one already kept for the same prompt (sampled answers can
+    repeat, short ones most of all). Dropped ids go to `dropped.txt` in the folder, so that a
+    rerun counts them as done and never answers them again."""
+
+    def __init__(self, folder: Path, samples: Iterable[dict]):
+        self.path = folder / "dropped.txt"
+        self.dropped = set(self.path.read_text().split()) if self.path.exists() else set()
+        self.kept: dict[str, set[bytes]] = {}
+        for s in samples:
+            self.kept.setdefault(prompt_of(s["id"]), set()).add(self._key(s["answer_ids"]))
+
+    @staticmethod
+    def _key(ids: list[int]) -> bytes:
+        return hashlib.sha1(json.dumps(ids).encode()).digest()
+
+    def keep(self, sample: dict) -> bool:
+        seen = self.kept.setdefault(prompt_of(sample["id"]), set())
+        key = self._key(sample["answer_ids"])
+        if key not in seen:
+            seen.add(key)
+            return True
+        with open(self.path, "a") as f:
+            f.write(sample["id"] + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.dropped.add(sample["id"])
+        return False
+
+
 @torch.inference_mode()
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
-                   temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", max_prompt_tokens: int = 256,
+                   sampling: AnswerSampling = AnswerSampling(), method: str = "ar", max_prompt_tokens: int = 256,
                    seconds: float | None = None, until=None, on_sample=None, bar=None,
                    sort_every: int | None = None, share_prefix: bool = True) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
@@ -297,7 +373,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         loop.release(k)
         p = pending.pop(k)
         if on_sample is not None:
-            on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, temperature=temperature,
+            on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, sampling=sampling,
                                   max_new_tokens=max_new_tokens, dtype=dtype))
         stats.written += 1
         if bar is not None:
@@ -313,7 +389,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
             if p is None:
                 exhausted = True
                 break
-            req = Request(p["prompt_ids"], max_new_tokens, SamplingParams(temperature, top_p, seed=sample_seed(p["id"])), stop)
+            req = Request(p["prompt_ids"], max_new_tokens, sampling.params(p["id"]), stop)
             items.append((key, req, SequenceState()))
             pending[key] = p
             key += 1
@@ -342,10 +418,14 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 
 def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | None = None, limit: int | None = None,
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
-               temperature: float = 0.0, top_p: float = 1.0, method: str = "ar", seconds: float | None = None,
-               until=None, progress: bool = True, concurrency: int = 64, share_prefix: bool = True) -> RegenStats:
+               sampling: AnswerSampling = AnswerSampling(), answers_per_prompt: int = 1, method: str = "ar",
+               seconds: float | None = None, until=None, progress: bool = True, concurrency: int = 64,
+               share_prefix: bool = True) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
 
+    `sampling`: greedy by default; sampled answers take `answers_per_prompt` answers of every
+    prompt, each seeded by its own id (`answer_id`), an answer identical to one already kept for
+    that prompt dropped (`AnswerDeduper`).
     `engine`: an `Engine` (the target runs here, `batch_size` rows, `method`) or a
     `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
@@ -361,21 +441,35 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     except BlockingIOError:
         raise BlockdraftError(f"another `data regenerate` is writing to {out}") from None
     remote = isinstance(engine, RemoteTarget)
+    if answers_per_prompt < 1:
+        raise BlockdraftError(f"answers per prompt must be >= 1, got {answers_per_prompt}")
+    if answers_per_prompt > 1 and sampling.temperature == 0:
+        raise BlockdraftError("several answers per prompt need sampling (a temperature > 0): greedy answers repeat")
     try:
         tidy_shards(out)
-        done = {s["id"] for s in iter_samples(out)}
+        dedup = AnswerDeduper(out, iter_samples(out))
+        done = {s["id"] for s in iter_samples(out)} | dedup.dropped
         stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
-        todo = (p for p in stream if p["id"] not in done)
+        todo = (p for p in answer_copies(stream, answers_per_prompt) if p["id"] not in done)
         how = f"{concurrency} requests at once to {engine.url}" if remote else f"{batch_size} rows"
         print(f"regenerate: {len(done)} samples already in {out}; answering up to {max_new_tokens} tokens "
               f"with {how}", file=sys.stderr)
         writer = ShardWriter(out)
-        bar = tqdm(total=limit and max(0, limit - len(done)), unit="sample", desc="regenerate", dynamic_ncols=True,
-                   disable=not progress)
-        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seconds=seconds,
-                      until=until, on_sample=writer.write, bar=bar)
+        bar = tqdm(total=limit and max(0, limit * answers_per_prompt - len(done)), unit="sample", desc="regenerate",
+                   dynamic_ncols=True, disable=not progress)
+
+        duplicates = []
+
+        def on_sample(sample):
+            if dedup.keep(sample):
+                writer.write(sample)
+            else:
+                duplicates.append(sample["id"])
+
+        common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seconds=seconds, until=until,
+                      on_sample=on_sample, bar=bar)
         try:
             if remote:
                 stats = answer_prompts_remote(engine, todo, concurrency=concurrency, stats=RegenStats(), **common)
@@ -385,6 +479,8 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         finally:
             bar.close()
             writer.close()
+        stats.duplicates = len(duplicates)
+        stats.written -= stats.duplicates
     finally:
         lock.close()
     return stats

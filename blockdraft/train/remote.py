@@ -20,7 +20,8 @@ from typing import Iterator
 import httpx
 
 from ..errors import BlockdraftError
-from .data import make_sample, sample_seed
+from ..sampling import SamplingParams
+from .data import AnswerSampling, make_sample
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -78,10 +79,11 @@ class RemoteTarget:
                 delay = min(2 * delay, 30.0)
         raise ServerGone(f"{self.url} did not answer after {self.retries + 1} tries ({problem})")
 
-    def answer(self, messages: list[dict], *, max_tokens: int, temperature: float, top_p: float,
-               seed: int) -> Answer:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": top_p, "seed": seed}
+    def answer(self, messages: list[dict], *, max_tokens: int, sampling: SamplingParams) -> Answer:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed}
+        if sampling.top_k > 0:  # an extension (vLLM, SGLang, blockdraft serve); sent only when it cuts
+            body["top_k"] = sampling.top_k
         if self.ask_token_ids:
             body["return_token_ids"] = True
         reply = self._request("POST", "/v1/chat/completions", body)
@@ -110,7 +112,7 @@ class Refused(BlockdraftError):
 
 
 def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_new_tokens: int, concurrency: int,
-                          temperature: float, top_p: float, stats, seconds: float | None = None, until=None,
+                          sampling: AnswerSampling, stats, seconds: float | None = None, until=None,
                           on_sample=None, bar=None):
     """Keep `concurrency` requests in flight; each finished answer goes to `on_sample` (in the
     calling thread) as soon as it arrives. Stops when the prompts run out, after `seconds` or
@@ -130,7 +132,7 @@ def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_
                     exhausted = True
                     break
                 future = pool.submit(remote.answer, p["messages"], max_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=sample_seed(p["id"]))
+                                     sampling=sampling.params(p["id"]))
                 inflight[future] = p
             if not inflight or stop:
                 break
@@ -155,7 +157,7 @@ def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_
                     p = {**p, "prompt_ids": answer.prompt_ids}  # what the answer actually continues
                 if on_sample is not None:
                     on_sample(make_sample(p, answer.answer_ids, answer.finish_reason, method=f"server:{remote.model}",
-                                          temperature=temperature, max_new_tokens=max_new_tokens))
+                                          sampling=sampling, max_new_tokens=max_new_tokens))
                 stats.written += 1
                 if bar is not None:
                     bar.update(1)
