@@ -17,8 +17,14 @@ PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist workste
 # (SIGILL; `blockdraft bench` says so): pass the CPU's features without AMX, e.g.
 #   make peers LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
 LLAMACPP_CMAKE_ARGS ?=
+# llama.cpp's own llama-server (for the llamacpp-dflash bench peer and the cross-engine tests), built once
+# from the llama.cpp source vendored in the pinned llama-cpp-python sdist (~17 minutes on 2 cores).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SRC := build/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMA_SERVER := build/llama.cpp/bin/llama-server
+JOBS ?= $(shell nproc)
 
-.PHONY: install demo test test-all prepare peers clean
+.PHONY: install demo test test-all prepare peers llama-server clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,8 +54,23 @@ test: prepare
 test-all: prepare
 	$(PYTEST) $(PYTEST_ARGS)
 
-peers: install
+peers: install $(LLAMA_SERVER)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PY) -m pip install -q -e ".[peers]"
+
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMACPP_SRC)/CMakeLists.txt:
+	mkdir -p build/sdist
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d build/sdist llama-cpp-python==$(LLAMACPP_VERSION)
+	tar -xzf build/sdist/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C build
+	touch $@
+
+# No UI, no HTTPS, nothing fetched at build time; only the server and its libraries.
+$(LLAMA_SERVER): $(LLAMACPP_SRC)/CMakeLists.txt
+	cmake -S $(LLAMACPP_SRC) -B build/llama.cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_APP=OFF $(LLAMACPP_CMAKE_ARGS)
+	cmake --build build/llama.cpp --target llama-server -j $(JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

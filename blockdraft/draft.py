@@ -500,4 +500,6 @@ class DFlashDrafter(DrafterBase):
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
         cfg = DraftConfig.from_dict(read_config(folder, "DFlashDraftModel"))
-        return load_weights(cls, cfg, folder, device, dtype)
+        drafter = load_weights(cls, cfg, folder, device, dtype)
+        drafter.folder = Path(folder)  # where it came from (exports to other engines read the files)
+        return drafter

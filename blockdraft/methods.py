@@ -97,6 +97,10 @@ register(Method("llamacpp", "llama.cpp on a GGUF of the same weights (optional e
                 speculative=False))
 register(Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B - 1 tokens)", peer=True,
                 default_block=5))
+register(Method("llamacpp-server", "llama.cpp's llama-server, plain decoding (`make llama-server`)", peer=True,
+                speculative=False))
+register(Method("llamacpp-dflash", "llama-server's own DFlash with our drafter as GGUF (B - 1 drafts per step)",
+                peer=True, drafter="dflash"))
 
 
 def names(include_peers: bool = False) -> list[str]:

@@ -4,6 +4,8 @@
   hf-lookup[@B]       HF's prompt-lookup decoding (`prompt_lookup_num_tokens` = B - 1)
   llamacpp            llama.cpp (llama-cpp-python) on a GGUF of the same weights
   llamacpp-lookup[@B] llama.cpp with its prompt-lookup drafts (`num_pred_tokens` = B - 1)
+  llamacpp-server     llama.cpp's llama-server, plain decoding (`bench/llama_server.py`)
+  llamacpp-dflash[@B] llama-server's own DFlash with our drafter exported to GGUF, B - 1 drafts
 
 Every peer gets the token ids we would decode (same chat template, same prompt) and stops
 at the same end-of-turn tokens; its time covers the whole request, prefill included, as
@@ -175,20 +177,82 @@ class LlamaCppRunner:
                        lookup_tokens + 1)
 
 
+SERVER_PEERS = ("llamacpp-server", "llamacpp-dflash")
+
+
+class LlamaServerRunner:
+    """llama-server peers: one server per drafter setting, started on first use, stopped at exit."""
+
+    def __init__(self, engine, gguf: str | Path | None = None, draft_type: str = "F16", full_vocab: bool = False):
+        from .llama_server import BUILD_HINT, find_llama_server
+
+        if find_llama_server() is None:
+            raise BlockdraftError(BUILD_HINT)
+        self.engine = engine
+        self.path = Path(gguf) if gguf else default_gguf(engine)
+        if not self.path.is_file():
+            raise BlockdraftError(f"GGUF file not found: {self.path}")
+        self.draft_type, self.full_vocab = draft_type, full_vocab
+        self._servers = {}
+
+    def server(self, draft_max: int):
+        from .llama_server import LlamaServer, drafter_gguf
+
+        srv = self._servers.get(draft_max)
+        if srv is None:
+            drafter = None
+            if draft_max:
+                drafter = drafter_gguf(self.engine.drafter_for("dflash").folder, self.path, self.draft_type,
+                                       self.full_vocab)
+            srv = self._servers[draft_max] = LlamaServer(self.path, drafter=drafter, draft_max=draft_max or None)
+        return srv
+
+    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 draft_max: int = 0) -> Generation:
+        new, lengths, timings, seconds = self.server(draft_max).complete(
+            ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        out = _finish(self.engine, ids, new, seconds, "llamacpp-dflash" if draft_max else "llamacpp-server",
+                      draft_max + 1)
+        if draft_max:
+            out.acceptance_lengths = lengths
+            out.tau = sum(lengths) / len(lengths) if lengths else 0.0
+            out.steps = len(lengths)
+        out.prefill_seconds = (timings.get("prompt_ms") or 0.0) / 1000
+        return out
+
+    def close(self):
+        for srv in self._servers.values():
+            srv.close()
+        self._servers.clear()
+
+
 class Peers:
     """The peer runners a benchmark needs, made on first use."""
 
-    def __init__(self, engine, gguf: str | Path | None = None):
+    def __init__(self, engine, gguf: str | Path | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False)):
         self.engine, self.gguf = engine, gguf
-        self._hf = self._llamacpp = None
+        self.llamacpp_draft = llamacpp_draft  # llamacpp-dflash: (drafter GGUF weight type, full vocabulary)
+        self._hf = self._llamacpp = self._server = None
 
     def check(self, kinds):
         """Fail early (before any generation) when a peer cannot run here."""
-        if any(k.startswith("llamacpp") for k in kinds) and not llamacpp_available():
+        from .llama_server import BUILD_HINT, find_llama_server
+
+        if any(k in SERVER_PEERS for k in kinds) and find_llama_server() is None:
+            raise BlockdraftError(BUILD_HINT)
+        if any(k.startswith("llamacpp") and k not in SERVER_PEERS for k in kinds) and not llamacpp_available():
             raise BlockdraftError(LLAMACPP_HINT)
+
+    def close(self):
+        if self._server is not None:
+            self._server.close()
 
     def generate(self, kind: str, block: int, ids: list[int], **kwargs) -> Generation:
         lookup = block - 1 if kind.endswith("-lookup") else 0
+        if kind in SERVER_PEERS:
+            if self._server is None:
+                self._server = LlamaServerRunner(self.engine, self.gguf, *self.llamacpp_draft)
+            return self._server.generate(ids, draft_max=block - 1 if kind == "llamacpp-dflash" else 0, **kwargs)
         if kind.startswith("llamacpp"):
             if self._llamacpp is None:
                 self._llamacpp = LlamaCppRunner(self.engine, self.gguf)

@@ -32,6 +32,18 @@ def markdown(reports: dict) -> str:
                 f"{_fmt(r.get('speedup_vs_ar'))}{spread_txt} | {_fmt(r.get('speedup_bound'))} | "
                 f"{_fmt(sps and 1000 * sps['draft'], '.1f')} | {_fmt(sps and 1000 * sps['verify'], '.1f')} | {split} |")
         lines.append("")
+        server = {m: r for m, r in rep["methods"].items() if r.get("speedup_vs_llamacpp_server") is not None}
+        if server:
+            ls = rep.get("llama_server") or {}
+            lines += [f"llama-server ({ls.get('version', '')}; drafter GGUF {ls.get('draft_type', '?')}, "
+                      f"{ls.get('draft_vocab', '?')} vocabulary), against its own plain decoding:", "",
+                      "| method | tau | tok/s | speedup vs llamacpp-server | decode ms per step (plain: per token) "
+                      "| break-even tau |", "|---|---|---|---|---|---|"]
+            for m, r in server.items():
+                lines.append(f"| {m} | {_fmt(r['tau'])} | {r['tokens_per_second']:.1f} | "
+                             f"{r['speedup_vs_llamacpp_server']:.2f} | {1000 * r['decode_seconds_per_step']:.1f} | "
+                             f"{_fmt(r.get('break_even_tau'))} |")
+            lines.append("")
         rates = {m: r["per_position_acceptance"] for m, r in rep["methods"].items() if r.get("per_position_acceptance")}
         if rates:
             width = max(len(v) for v in rates.values())

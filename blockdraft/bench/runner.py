@@ -29,7 +29,7 @@ from .. import methods as registry
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
-from .peers import Peers
+from .peers import SERVER_PEERS, Peers
 from .stats import chi2_homogeneity
 
 DATASETS = {
@@ -100,47 +100,50 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
 
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
               temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1,
-              gguf: str | None = None) -> dict:
+              gguf: str | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False)) -> dict:
     parsed = [parse_method(m, engine) for m in methods]
-    peers = Peers(engine, gguf)
+    peers = Peers(engine, gguf, llamacpp_draft)
     peers.check([m.kind for m in parsed])
-    if warmup:
-        ids = engine.encode("Hello", chat=True)
-        for m in parsed:
-            _generate(engine, peers, m, ids, 4, temperature, seed)
-    keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
-    per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
-           for m in parsed}
-    bar = tqdm(total=len(records) * repeats, desc="bench", unit="prompt", dynamic_ncols=True)
-    for rep in range(repeats):
-        rep_tokens = {m.name: [0, 0.0] for m in parsed}
-        for rec in records:
-            for m in parsed:  # interleaved: drift hits every method alike
-                messages, outs = [], []
-                for turn in rec["turns"]:
-                    messages.append({"role": "user", "content": turn})
-                    out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
-                    messages.append({"role": "assistant", "content": out.text})
-                    outs.append(out)
-                    p = per[m.name]
-                    if rep == 0:
-                        p["acceptance_lengths"] += out.acceptance_lengths
-                    p["tokens"] += out.num_output_tokens
-                    p["seconds"] += out.decode_seconds
-                    p["prefill_seconds"] += out.prefill_seconds
-                    p["draft_seconds"] += out.draft_seconds
-                    p["verify_seconds"] += out.verify_seconds
-                    p["steps"] += out.steps
-                    rep_tokens[m.name][0] += out.num_output_tokens
-                    rep_tokens[m.name][1] += out.decode_seconds
-                entry = per[m.name]["prompts"].setdefault(rec["id"], {
-                    "id": rec["id"], "token_ids": [o.token_ids for o in outs], "tokens_per_second": [],
-                    "tau": [o.tau for o in outs]})
-                entry["tokens_per_second"].append([o.tokens_per_second for o in outs])
-            bar.update(1)
-        for name, (tokens, seconds) in rep_tokens.items():
-            per[name]["repeat_tps"].append(tokens / seconds if seconds else 0.0)
-    bar.close()
+    try:
+        if warmup:
+            ids = engine.encode("Hello", chat=True)
+            for m in parsed:
+                _generate(engine, peers, m, ids, 4, temperature, seed)
+        keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
+        per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
+               for m in parsed}
+        bar = tqdm(total=len(records) * repeats, desc="bench", unit="prompt", dynamic_ncols=True)
+        for rep in range(repeats):
+            rep_tokens = {m.name: [0, 0.0] for m in parsed}
+            for rec in records:
+                for m in parsed:  # interleaved: drift hits every method alike
+                    messages, outs = [], []
+                    for turn in rec["turns"]:
+                        messages.append({"role": "user", "content": turn})
+                        out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
+                        messages.append({"role": "assistant", "content": out.text})
+                        outs.append(out)
+                        p = per[m.name]
+                        if rep == 0:
+                            p["acceptance_lengths"] += out.acceptance_lengths
+                        p["tokens"] += out.num_output_tokens
+                        p["seconds"] += out.decode_seconds
+                        p["prefill_seconds"] += out.prefill_seconds
+                        p["draft_seconds"] += out.draft_seconds
+                        p["verify_seconds"] += out.verify_seconds
+                        p["steps"] += out.steps
+                        rep_tokens[m.name][0] += out.num_output_tokens
+                        rep_tokens[m.name][1] += out.decode_seconds
+                    entry = per[m.name]["prompts"].setdefault(rec["id"], {
+                        "id": rec["id"], "token_ids": [o.token_ids for o in outs], "tokens_per_second": [],
+                        "tau": [o.tau for o in outs]})
+                    entry["tokens_per_second"].append([o.tokens_per_second for o in outs])
+                bar.update(1)
+            for name, (tokens, seconds) in rep_tokens.items():
+                per[name]["repeat_tps"].append(tokens / seconds if seconds else 0.0)
+        bar.close()
+    finally:
+        peers.close()
 
     results = {}
     for m in parsed:
@@ -165,7 +168,10 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             "other_seconds": max(0.0, p["seconds"] - p["prefill_seconds"] - p["draft_seconds"] - p["verify_seconds"])
             if p["steps"] else None,
             "seconds_per_step": {"draft": p["draft_seconds"] / steps, "verify": p["verify_seconds"] / steps}
-            if p["steps"] else None,
+            if p["steps"] and not m.peer else None,
+            # peers: decode time after the prefill, per verify step (speculative) or per token (plain)
+            "decode_seconds_per_step": (p["seconds"] - p["prefill_seconds"]) / (p["steps"] or max(1, p["tokens"]))
+            if m.peer else None,
             "prompts": list(p["prompts"].values()),
         }
     if "ar" in results:
@@ -179,6 +185,13 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             sps = r["seconds_per_step"]
             if sps and r["tau"]:  # the loop's own limit: tau * t_step / (t_draft + t_verify)
                 r["speedup_bound"] = r["tau"] * t_step / (sps["draft"] + sps["verify"])
+    plain = results.get("llamacpp-server")
+    if plain and plain["tokens_per_second"]:  # llama-server's DFlash against its own plain decoding
+        for name, r in results.items():
+            if registry.parse(name, include_peers=True)[0].name in SERVER_PEERS:
+                r["speedup_vs_llamacpp_server"] = r["tokens_per_second"] / plain["tokens_per_second"]
+                if r is not plain and r["tau"]:  # tau at which a step pays for itself
+                    r["break_even_tau"] = r["decode_seconds_per_step"] / plain["decode_seconds_per_step"]
     return results
 
 
@@ -241,7 +254,8 @@ def machine_info(engine) -> dict:
 
 
 def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
-                  first_turn_only=False, repeats=1, check_distribution=0, gguf=None) -> dict:
+                  first_turn_only=False, repeats=1, check_distribution=0, gguf=None,
+                  llamacpp_draft: tuple[str, bool] = ("F16", False)) -> dict:
     """Run every dataset (comma-separated names) and write results.json (one dataset) or
     DATASET/results.json (several), plus report.md and plots, into `out`."""
     names = [prompts_file] if prompts_file else [d for d in dataset.split(",") if d]
@@ -250,7 +264,7 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
         records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
         t0 = time.time()
         results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
-                            repeats=repeats, gguf=gguf)
+                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft)
         report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
                   "methods": results, "machine": machine_info(engine)}
@@ -258,6 +272,11 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
             from .peers import LlamaCppRunner
 
             report["gguf"] = LlamaCppRunner.describe(engine, gguf)
+        if any(registry.parse(m, include_peers=True)[0].name in SERVER_PEERS for m in methods):
+            from .llama_server import describe, find_llama_server
+
+            report["llama_server"] = {**describe(find_llama_server()), "draft_type": llamacpp_draft[0],
+                                      "draft_vocab": "full" if llamacpp_draft[1] else "drafter's"}
         if check_distribution:
             report["distribution_check"] = distribution_check(engine, methods, records, samples=check_distribution,
                                                               temperature=temperature or 1.0)

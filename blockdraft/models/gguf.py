@@ -32,6 +32,18 @@ def _gguf():
     return gguf
 
 
+def copy_fields(reader, writer, keep=lambda name: True):
+    """Copy the metadata fields of GGUF `reader` whose names `keep` accepts into `writer`
+    (never the header fields or the architecture, which the writer adds itself)."""
+    gguf = _gguf()
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or not keep(name):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+
+
 def write_f32_gguf(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
     """De-quantize every tensor of GGUF `src` to F32 into `dst` (same metadata, file type F32).
     Written under a temporary name and renamed into place."""
@@ -46,15 +58,8 @@ def write_f32_gguf(src: str | Path, dst: str | Path, progress: bool = True) -> P
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, arch)
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name == "general.architecture":
-                continue  # header fields, and the architecture the writer adds itself
-            value = field.contents()
-            if name == "general.file_type":
-                value = int(gguf.LlamaFileType.ALL_F32)
-            vtype = field.types[0]
-            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
-            writer.add_key_value(name, value, vtype, sub_type=sub)
+        copy_fields(reader, writer, lambda name: name != "general.file_type")
+        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
         tensors = reader.tensors
         if progress:
             from tqdm import tqdm
