@@ -19,6 +19,12 @@ import torch
 from .errors import BlockdraftError
 
 
+# Below this temperature the scores logits / T overflow float32 (|logit| ~ 30), and the
+# distribution is one-hot at the argmax anyway: such a temperature samples as greedy.
+MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # a top-k beyond the vocabulary keeps every token
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -31,8 +37,10 @@ class SamplingParams:
             raise BlockdraftError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise BlockdraftError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise BlockdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise BlockdraftError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if self.seed is None:
             self.seed = int.from_bytes(os.urandom(8), "little") >> 1
 

@@ -199,3 +199,17 @@ def test_sampled_smollm2_is_reproducible_and_identical_across_methods(smol, chat
             pass
         runs.append([s.output_ids for s in states])
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_temperature_that_would_overflow_the_scores_samples_as_greedy_and_top_k_is_bounded():
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
+
+    logits = torch.tensor([[30.0, 29.0, -5.0]])
+    assert not torch.isfinite(logits / 1e-38).all()  # why the floor: scores leave float32
+    for t in (1e-38, 1e-300, MIN_TEMPERATURE / 2):
+        assert SamplingParams(t, seed=1).greedy
+    assert not SamplingParams(MIN_TEMPERATURE, seed=1).greedy
+    SamplingParams(1.0, top_k=MAX_TOP_K, seed=1)
+    with pytest.raises(BlockdraftError, match="top_k"):
+        SamplingParams(1.0, top_k=2 ** 64, seed=1)

@@ -110,12 +110,22 @@ def _stream_chat(server, prompt, max_tokens, out, i):
 
 @pytest.mark.slow
 def test_32_concurrent_streams_equal_offline_greedy(server, engine):
-    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
-    refs = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=16, block_size=8)
+    check_streams(*start_streams(server, engine, 32, 16))
+
+
+def start_streams(server, engine, n: int, max_tokens: int):
+    """n chat streams started on threads, and their offline greedy references."""
+    prompts = [f"Write one sentence about the number {i}." for i in range(n)]
+    refs = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=max_tokens, block_size=8)
     out = {}
-    threads = [threading.Thread(target=_stream_chat, args=(server, p, 16, out, i)) for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=_stream_chat, args=(server, p, max_tokens, out, i))
+               for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
+    return threads, refs, out
+
+
+def check_streams(threads, refs, out):
     for t in threads:
         t.join()
     for i, ref in enumerate(refs):
@@ -187,6 +197,36 @@ def test_bad_input_gets_openai_errors(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
+def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server, engine, client):
+    """Requests that once aborted the running batch or got plain-text 500s (a top_k beyond 64
+    bits, a lone surrogate, a 5000-digit integer) get OpenAI-shaped 400s; a temperature that
+    underflows samples as greedy; the streams running beside them are unchanged."""
+    streams = start_streams(server, engine, 4, 24)
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
+    poisons = [
+        (json.dumps({**chat, "temperature": 1, "top_k": 2 ** 64}).encode(), "top_k"),
+        (json.dumps({**chat, "temperature": 1, "top_k": 2 ** 63}).encode(), "top_k"),
+        (b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 8}', "messages"),
+        (b'{"prompt": "a\\ud800b", "max_tokens": 8}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}", None),
+        (json.dumps({**chat, "temperature": 10 ** 400}).encode(), "temperature"),
+    ]
+    for body, param in poisons:
+        path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+        r = post(server, path, content=body)
+        assert r.status_code == 400, (body[:70], r.status_code, r.text[:200])
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    greedy = post(server, "/v1/chat/completions", {**chat, "temperature": 0}).json()
+    for tiny in (1e-38, 1e-300):
+        r = post(server, "/v1/chat/completions", {**chat, "temperature": tiny, "seed": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
+    check_streams(*streams)
+    # the model endpoint the official client's models.retrieve reads
+    assert client.models.retrieve("smol").id == "smol"
+    r = httpx.get(server.url + "/v1/models/other", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
                        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
                                                                                  max_size=4), max_leaves=10)
@@ -250,6 +290,7 @@ def test_queue_bound_disconnect_and_graceful_shutdown():
             w.join()
         codes = sorted(r.status_code for r in results.values())
         assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
+        assert all(r.headers.get("retry-after") == "1" for r in results.values() if r.status_code == 429)
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in results.values()
                    if r.status_code == 200)
         # graceful shutdown: an in-flight request still completes

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -20,19 +21,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import BlockdraftError
+from ..sampling import MAX_TOP_K
 from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("blockdraft.serve")
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # ---- request checking ------------------------------------------------------------------
@@ -51,8 +56,22 @@ def _field(body: dict, name: str, types, default=None, *, check=None, what: str 
 
 
 def _number(body, name, default, lo, hi):
-    return float(_field(body, name, (int, float), default, what=f"a number in [{lo}, {hi}]",
-                        check=lambda v: math.isfinite(v) and lo <= v <= hi))
+    def finite(v):
+        try:
+            return math.isfinite(v) and lo <= v <= hi
+        except OverflowError:  # an integer too large for a float
+            return False
+
+    return float(_field(body, name, (int, float), default, what=f"a number in [{lo}, {hi}]", check=finite))
+
+
+def _text(value: str, param: str) -> str:
+    """A string the tokenizer can take: valid Unicode (JSON's \\ud800 escapes can make lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' holds text that is not valid Unicode (a lone surrogate)", param) from None
+    return value
 
 
 def _stops(body) -> list[str]:
@@ -63,7 +82,7 @@ def _stops(body) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    return stop
+    return [_text(s, "stop") for s in stop]
 
 
 class Server:
@@ -99,6 +118,8 @@ class Server:
             raise ApiError(400, "request body is not valid UTF-8") from None
         except (json.JSONDecodeError, RecursionError):
             raise ApiError(400, "request body is not valid JSON") from None
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            raise ApiError(400, f"request body is not acceptable JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         return data
@@ -134,7 +155,8 @@ class Server:
         seed = _field(body, "seed", int, None, check=lambda v: -(2 ** 63) <= v < 2 ** 64, what="a 64-bit integer")
         if seed is not None:
             seed %= 2 ** 64
-        top_k = _field(body, "top_k", int, 0, check=lambda v: v >= -1, what="an integer >= -1 (-1 or 0: off)")
+        top_k = _field(body, "top_k", int, 0, check=lambda v: -1 <= v <= MAX_TOP_K,
+                       what=f"an integer in [-1, {MAX_TOP_K}] (-1 or 0: off)")
         stream = _field(body, "stream", bool, False, what="a boolean")
         options = _field(body, "stream_options", dict, {}, what="an object")
         include_usage = bool(options.get("include_usage", False))
@@ -151,7 +173,7 @@ class Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "'prompt' must not be empty", "prompt")
-            return self.engine.tokenizer(prompt).input_ids
+            return self.engine.tokenizer(_text(prompt, "prompt")).input_ids
         vocab = self.engine.target.config.vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
@@ -175,6 +197,7 @@ class Server:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+            _text(content, "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             clean.append({"role": role, "content": content})
         try:
@@ -201,7 +224,7 @@ class Server:
         try:
             handle = self.scheduler.submit(row, on_event)
         except QueueFull as exc:
-            raise ApiError(429, str(exc), kind="rate_limit_error") from None
+            raise ApiError(429, str(exc), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
         except BlockdraftError as exc:
@@ -276,11 +299,26 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "blockdraft"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "blockdraft"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        authorize(request)
+        if model_id != server.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{server.model_name}'",
+                           "model", code="model_not_found")
+        return model_card()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, exc: Exception):  # a bug: one JSON error, one log line, never plain text
+        log.error("internal error: %s: %s", type(exc).__name__, exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
 
     async def generate(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
