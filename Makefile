@@ -14,8 +14,9 @@ PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist workste
 
 # llama.cpp for the benchmark's llamacpp peers, compiled from source (about 10 minutes on 2 cores).
 # Where the CPU reports AMX but the kernel does not enable it, quantized models crash llama.cpp
-# (SIGILL; `blockdraft bench` says so): pass the CPU's features without AMX, e.g.
-#   make peers LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+# (SIGILL, or a segfault in llama-bench; `blockdraft bench` says so): build without AMX, e.g.
+#   rm -rf build/llama.cpp && make peers LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON \
+#     -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 LLAMACPP_CMAKE_ARGS ?=
 # llama.cpp's own llama-server (for the llamacpp-dflash bench peer and the cross-engine tests), built once
 # from the llama.cpp source vendored in the pinned llama-cpp-python sdist (~17 minutes on 2 cores).
@@ -70,7 +71,7 @@ $(LLAMA_SERVER): $(LLAMACPP_SRC)/CMakeLists.txt
 	cmake -S $(LLAMACPP_SRC) -B build/llama.cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
 		-DLLAMA_BUILD_APP=OFF $(LLAMACPP_CMAKE_ARGS)
-	cmake --build build/llama.cpp --target llama-server -j $(JOBS)
+	cmake --build build/llama.cpp --target llama-server llama-bench -j $(JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -50,6 +50,30 @@ def test_missing_llamacpp_is_one_clear_error(monkeypatch):
     peers.Peers(engine=None).check(["ar", "hf"])  # other peers do not need it
 
 
+def test_an_unbuilt_llama_server_is_one_clear_error_before_anything_runs(monkeypatch, tmp_path, capsys):
+    from blockdraft.bench import llama_server
+    from blockdraft.cli import main
+
+    monkeypatch.setenv("BLOCKDRAFT_LLAMA_SERVER", str(tmp_path / "nowhere" / "llama-server"))
+    assert llama_server.find_llama_server() is None
+    with pytest.raises(BlockdraftError, match="make llama-server"):
+        peers.Peers(engine=None).check(["ar", "llamacpp-dflash"])
+    (tmp_path / "p.jsonl").write_text('{"turns": ["hi"]}\n')
+    assert main(["bench", "--prompts", str(tmp_path / "p.jsonl"), "--methods", "ar,llamacpp-server"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("make llama-server" in line for line in err) and not any("Traceback" in line for line in err)
+
+
+def test_a_llama_server_killed_by_an_illegal_instruction_names_the_amx_rebuild(tmp_path):
+    from blockdraft.bench.llama_server import LlamaServer
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    with pytest.raises(BlockdraftError, match="without AMX.*rm -rf build/llama.cpp"):
+        LlamaServer(tmp_path / "target.gguf", binary=fake, start_timeout=30)
+
+
 needs_llamacpp = pytest.mark.skipif(not peers.llamacpp_available(), reason="llama-cpp-python not installed")
 
 

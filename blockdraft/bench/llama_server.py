@@ -23,6 +23,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -37,6 +38,11 @@ from ..errors import BlockdraftError
 REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "bin" / "llama-server"
 BUILD_HINT = ("llama.cpp's llama-server is not built: `make llama-server` builds it once from the pinned "
               "llama-cpp-python sdist's source (~17 minutes on 2 cores), or set BLOCKDRAFT_LLAMA_SERVER to a binary")
+AMX_SERVER_HINT = (
+    "llama-server died with an illegal instruction: it was compiled for AMX, which this CPU reports but its kernel "
+    "or hypervisor does not enable (quantized weights, e.g. a Q8_0 drafter or a Q4_1 target, run AMX kernels). "
+    "Rebuild without AMX: rm -rf build/llama.cpp && make llama-server LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF "
+    "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
 STEP = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
@@ -62,7 +68,7 @@ class LlamaServer:
 
     def __init__(self, model: str | Path, *, drafter: str | Path | None = None, draft_max: int | None = None,
                  context: int = 4096, threads: int | None = None, binary: str | Path | None = None,
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, extra_args: tuple[str, ...] = ()):
         binary = Path(binary) if binary else find_llama_server()
         if binary is None:
             raise BlockdraftError(BUILD_HINT)
@@ -76,6 +82,7 @@ class LlamaServer:
                     "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
             if draft_max is not None:
                 cmd += ["--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
+        cmd += list(extra_args)
         self.cmd = cmd
         self.log: list[str] = []
         self._lines: queue.Queue[str] = queue.Queue()
@@ -86,6 +93,8 @@ class LlamaServer:
         deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
+                if self.proc.returncode == -signal.SIGILL:
+                    raise BlockdraftError(AMX_SERVER_HINT)
                 tail = "\n".join(self.log[-15:])
                 raise BlockdraftError(f"llama-server exited with {self.proc.returncode} while starting:\n{tail}")
             try:

@@ -1,0 +1,31 @@
+"""Replace the text between two `<!-- NAME -->` markers of a Markdown file (the docs' generated tables)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def write_between(doc: Path, name: str, text: str) -> None:
+    mark = f"<!-- {name} -->"
+    body = doc.read_text()
+    if body.count(mark) != 2:
+        sys.exit(f"{doc}: needs exactly two {mark} markers")
+    a, _, b = body.split(mark)
+    doc.write_text(f"{a}{mark}\n{text}\n{mark}{b}")
+
+
+def main(doc: str, name: str, make_table, argv=None, **paths) -> int:
+    """The command line every table script shares: positional `paths` (name -> help), --doc."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for arg, (nargs, help_text) in paths.items():
+        ap.add_argument(arg, nargs=nargs, type=Path, help=help_text)
+    ap.add_argument("--doc", type=Path, help=f"write the table between the file's <!-- {name} --> markers")
+    args = ap.parse_args(argv)
+    text = make_table(args)
+    if args.doc:
+        write_between(args.doc, name, text)
+    else:
+        print(text)
+    return 0
