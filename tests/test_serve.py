@@ -449,3 +449,18 @@ def test_the_scheduler_serves_every_registered_method():
             time.sleep(0.02)
         sched.shutdown(grace=5)
         assert [h.state.output_ids for h in handles] == want, name
+
+
+def test_a_burst_fills_the_free_batch_slots_before_the_waiting_queue(smol, tokenizer, chat_ids):
+    """Admission: with nothing running, a burst of max_batch + max_queue requests is taken (the
+    first max_batch join the batch at the next step), the next one gets QueueFull; requests
+    beyond the queue are refused only once the batch is full."""
+    from blockdraft.serve.scheduler import QueueFull
+
+    engine = Engine(smol, tokenizer)
+    sched = Scheduler(engine, method="ar", max_batch=4, max_queue=2)  # not started: nothing is admitted yet
+    ids = chat_ids[0]
+    for _ in range(6):
+        sched.submit(engine.make_row(ids, 4), lambda h: None)
+    with pytest.raises(QueueFull):
+        sched.submit(engine.make_row(ids, 4), lambda h: None)

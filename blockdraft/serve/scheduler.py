@@ -150,7 +150,7 @@ class Scheduler:
         self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
                                         estimate=self.proposer.expected_tokens)
         engine.target.warm_up(max_batch * self.loop.block_size)  # one-off costs out of the policy's timings
-        self.max_queue = max_queue
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics
         self.waiting: collections.deque[Handle] = collections.deque()
         self.running: dict[int, Handle] = {}
@@ -189,7 +189,9 @@ class Scheduler:
         with self.cond:
             if not self.accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            # requests waiting for a batch slot that is free now are not queued: they join at the next step
+            free = max(0, self.max_batch - len(self.running))
+            if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
             handle = Handle(next(self.ids), row, on_event)
             self.waiting.append(handle)
