@@ -464,3 +464,32 @@ def test_a_burst_fills_the_free_batch_slots_before_the_waiting_queue(smol, token
         sched.submit(engine.make_row(ids, 4), lambda h: None)
     with pytest.raises(QueueFull):
         sched.submit(engine.make_row(ids, 4), lambda h: None)
+
+
+def test_client_disconnects_are_counted_as_499_and_the_server_goes_on(server, engine):
+    """A client that sends half a body and leaves, and one that leaves while its request runs:
+    both are counted (status 499 in /metrics), neither disturbs the next request."""
+    import re
+    import socket
+    from urllib.parse import urlparse
+
+    def count():
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(v) for v in re.findall(r'requests_total\{[^}]*status="499"[^}]*\} ([0-9.e+]+)', text))
+
+    before = count()
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as s:  # half a body, then gone
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.5)
+    with pytest.raises(httpx.TimeoutException):  # gone while it runs
+        post_body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0}
+        httpx.post(server.url + "/v1/completions", json=post_body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    deadline = time.time() + 30
+    while count() < before + 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert count() == before + 2
+    r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(engine, "Hello", chat=False, n=8).text

@@ -19,6 +19,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..errors import BlockdraftError
 from ..sampling import MAX_TOP_K
@@ -38,6 +39,14 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(ApiError):
+    """The client went away (an ordinary event: logged at INFO in one line, counted as status 499)."""
+
+    def __init__(self, when: str):
+        super().__init__(499, f"client disconnected {when}")
+        log.info("client disconnected %s", when)
 
 
 # ---- request checking ------------------------------------------------------------------
@@ -108,10 +117,13 @@ class Server:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
+        except ClientDisconnect:
+            raise ClientGone("while sending its body") from None
         try:
             data = json.loads(bytes(body).decode("utf-8"))
         except UnicodeDecodeError:
@@ -235,7 +247,7 @@ class Server:
                     h = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        raise ClientGone("while its request waited or ran")
                     continue
                 if h.error:
                     raise ApiError(h.error_status, h.error,
@@ -376,6 +388,10 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
                 except ApiError as exc:
                     yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": None}})
                     server.metrics.observe_request(endpoint, exc.status)
+                except asyncio.CancelledError:  # the client closed the stream
+                    log.info("client disconnected during a stream")
+                    server.metrics.observe_request(endpoint, 499)
+                    raise
                 finally:
                     await gen.aclose()
 
