@@ -300,7 +300,8 @@ def cmd_serve(args) -> int:
     server = Server(engine, model_name=name, method=args.method, max_batch=args.max_batch,
                     max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
                     block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
-                    max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace)
+                    max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
+                    metrics_public=args.metrics_public)
     print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key: serve /metrics without it (default: /metrics needs the key too)")
     s.add_argument("--log-level", default="warning")
     _add_model_args(s)
     s.set_defaults(func=cmd_serve)

@@ -149,7 +149,8 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
         t.join()
     assert chat.choices[0].message.content == ref.text
     assert len(out) == 16 and all(done and len(f) == 1 for _t, f, done in out.values())
-    metrics = httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/metrics").status_code == 401  # with --api-key, unless --metrics-public
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "blockdraft_acceptance_length_bucket" in metrics
     assert 'blockdraft_spec_drafted_tokens_total{position="1"}' in metrics
     assert "blockdraft_time_to_first_token_seconds_count" in metrics
@@ -221,6 +222,20 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
         r = post(server, "/v1/chat/completions", {**chat, "temperature": tiny, "seed": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
     check_streams(*streams)
+    # features the server does not implement are refused, never ignored; the prompt's own field is named
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                  {"response_format": {"type": "json_object"}}, {"logprobs": True}, {"logit_bias": {"5": 1}}):
+        r = post(server, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), extra
+    for extra in ({"echo": True}, {"suffix": "x"}):
+        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), extra
+    long = post(server, "/v1/completions", {"prompt": "word " * 1100, "max_tokens": 4})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+    assert post(server, "/v1/completions", {"prompt": "Hi"}, headers={"Content-Type": "text/plain"}).status_code == 415
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"X-Request-Id": "trace-7"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7"
+    assert httpx.get(server.url + "/openapi.json").status_code in (401, 404)
     # the model endpoint the official client's models.retrieve reads
     assert client.models.retrieve("smol").id == "smol"
     r = httpx.get(server.url + "/v1/models/other", headers={"Authorization": f"Bearer {KEY}"})
@@ -474,7 +489,7 @@ def test_client_disconnects_are_counted_as_499_and_the_server_goes_on(server, en
     from urllib.parse import urlparse
 
     def count():
-        text = httpx.get(server.url + "/metrics").text
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         return sum(float(v) for v in re.findall(r'requests_total\{[^}]*status="499"[^}]*\} ([0-9.e+]+)', text))
 
     before = count()

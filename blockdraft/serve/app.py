@@ -41,6 +41,12 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
+# fields of OpenAI's API this server does not implement, with the values that mean "not used"
+UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
+               "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1)}
+
+
 class ClientGone(ApiError):
     """The client went away (an ordinary event: logged at INFO in one line, counted as status 499)."""
 
@@ -100,7 +106,7 @@ class Server:
     def __init__(self, engine, *, model_name: str, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
                  max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
                  adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 shutdown_grace: float = 30.0):
+                 shutdown_grace: float = 30.0, metrics_public: bool = False):
         self.engine, self.model_name, self.method = engine, model_name, method
         self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
         self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
@@ -108,11 +114,15 @@ class Server:
                                    metrics=self.metrics)
         self.max_model_len, self.max_tokens_limit = max_model_len, max_tokens_limit
         self.api_key, self.max_body_bytes, self.shutdown_grace = api_key, max_body_bytes, shutdown_grace
+        self.metrics_public = metrics_public  # with an API key: /metrics readable without it
         self.created = int(time.time())
 
     # ---- parsing -----------------------------------------------------------------------
 
     async def read_json(self, request: Request) -> dict:
+        kind = request.headers.get("content-type")
+        if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, not {kind!r}")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
@@ -144,13 +154,20 @@ class Server:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            "model", code="model_not_found")
 
-    def sampling(self, body: dict, prompt_len: int, default_max: int | None):
+    def unsupported(self, body: dict):
+        """400 for OpenAI features this server does not implement (never silently ignored)."""
+        for name, off in UNSUPPORTED.items():
+            if name in body and body[name] not in off:
+                raise ApiError(400, f"'{name}' is not supported by this server", name)
+
+    def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages"):
         n = _field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
         del n
+        self.unsupported(body)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this server's context is "
-                                f"{self.max_model_len} tokens", "messages")
+                                f"{self.max_model_len} tokens", prompt_param)
         limit = min(self.max_tokens_limit, room)
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _field(body, name, int, default_max if default_max is not None else limit,
@@ -281,7 +298,7 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown, server.shutdown_grace)
 
-    app = FastAPI(title="blockdraft", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="blockdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorize(request: Request):
         if server.api_key:
@@ -308,7 +325,9 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not server.metrics_public:
+            authorize(request)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
@@ -339,7 +358,8 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
             body = await server.read_json(request)
             server.check_model(body)
             prompt_ids = server.chat_prompt(body) if chat else server.completion_prompt(body)
-            row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16)
+            row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16,
+                                                         "messages" if chat else "prompt")
             return_ids = _field(body, "return_token_ids", bool, False, what="a boolean")
             if return_ids and stream:
                 raise ApiError(400, "'return_token_ids' is supported without streaming only", "return_token_ids")
@@ -348,6 +368,10 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
             raise
         row.request.prompt_ids = prompt_ids
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # the client's own id when it sends one (safe characters only), else ours
+        given = request.headers.get("x-request-id", "")
+        trace = {"x-request-id": given if given and len(given) <= 128 and given.isascii() and given.isprintable()
+                 else rid}
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": server.model_name}
@@ -396,7 +420,7 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
                     await gen.aclose()
 
             return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **trace})
 
         text, handle = "", None
         try:
@@ -417,7 +441,7 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
         if return_ids:  # as vLLM: the exact tokens (a stop token included), for training-data regeneration
             choices[0]["token_ids"] = list(handle.state.output_ids)
             reply["prompt_token_ids"] = list(prompt_ids)
-        return reply
+        return JSONResponse(reply, headers=trace)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
