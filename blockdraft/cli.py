@@ -305,11 +305,13 @@ def cmd_serve(args) -> int:
     print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
-    # The decode loop runs on the main thread (measured faster there) and HTTP on a second one;
-    # a signal asks uvicorn to drain (the lifespan then shuts the scheduler down), a second cuts it short.
+    # The decode loop runs on the main thread (measured faster there) and HTTP on a second one.
+    # A signal starts the scheduler's drain at once (requests get --shutdown-grace seconds, then end with a
+    # finish reason) and asks uvicorn to stop taking connections; uvicorn waits longer than the drain, so
+    # that it never cancels a stream the scheduler is still ending. A second signal cuts it short.
     http = uvicorn.Server(uvicorn.Config(create_app(server, start_scheduler=False), host=args.host, port=args.port,
                                          log_level=args.log_level,
-                                         timeout_graceful_shutdown=int(args.shutdown_grace) + 1))
+                                         timeout_graceful_shutdown=int(args.shutdown_grace) + 15))
     failed: list[BaseException] = []
 
     def serve_http():
@@ -320,9 +322,9 @@ def cmd_serve(args) -> int:
         finally:  # whatever ended HTTP also ends the decode loop
             server.scheduler.shutdown(grace=0)
 
-    def on_signal(_sig, _frame):
-        if http.should_exit:  # a second signal ends in-flight requests now (off the signal handler)
-            threading.Thread(target=server.scheduler.shutdown, kwargs={"grace": 0}, daemon=True).start()
+    def on_signal(_sig, _frame):  # (off the signal handler: the drain waits)
+        grace = 0 if http.should_exit else args.shutdown_grace  # a second signal ends in-flight requests now
+        threading.Thread(target=server.scheduler.shutdown, kwargs={"grace": grace}, daemon=True).start()
         http.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):

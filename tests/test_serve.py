@@ -508,3 +508,39 @@ def test_client_disconnects_are_counted_as_499_and_the_server_goes_on(server, en
     assert count() == before + 2
     r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline(engine, "Hello", chat=False, n=8).text
+
+
+def test_streams_longer_than_the_shutdown_grace_still_end_with_a_finish_reason_and_done():
+    """SIGTERM with streams that need longer than --shutdown-grace: the scheduler's drain decides
+    (it starts at the signal), every stream ends with a finish reason and [DONE], no traceback."""
+    s = ServerProcess("--method", "ar", "--max-batch", "4", "--max-tokens", "1000", "--shutdown-grace", "2")
+    try:
+        out = {}
+
+        def stream(i):
+            lines = []
+            body = {"prompt": f"Count from {i} to 1000, separated by commas:", "max_tokens": 1000,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+            out[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=120)
+        for i in range(3):
+            lines = out[i]
+            assert lines[-1] == "[DONE]", lines[-3:]
+            finishes = [c.get("finish_reason") for x in lines[:-1] for c in json.loads(x).get("choices", [])]
+            assert finishes[-1] is not None and all(f is None for f in finishes[:-1]), finishes[-3:]
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = s.proc.stdout.read().decode(errors="replace")
+        assert "Traceback" not in log, log[-2000:]
+    finally:
+        s.stop()
