@@ -217,6 +217,9 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
         r = post(server, path, content=body)
         assert r.status_code == 400, (body[:70], r.status_code, r.text[:200])
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    t0 = time.time()  # text that cannot fit the context is refused before it is tokenized
+    r = post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "ab " * 200_000}]})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"] and time.time() - t0 < 5
     greedy = post(server, "/v1/chat/completions", {**chat, "temperature": 0}).json()
     for tiny in (1e-38, 1e-300):
         r = post(server, "/v1/chat/completions", {**chat, "temperature": tiny, "seed": 3})

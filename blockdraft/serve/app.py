@@ -115,6 +115,8 @@ class Server:
         self.max_model_len, self.max_tokens_limit = max_model_len, max_tokens_limit
         self.api_key, self.max_body_bytes, self.shutdown_grace = api_key, max_body_bytes, shutdown_grace
         self.metrics_public = metrics_public  # with an API key: /metrics readable without it
+        # the longest token's text (a byte-level token's string is at least as long as its text)
+        self.max_token_chars = max(8, max((len(t) for t in engine.tokenizer.get_vocab()), default=8))
         self.created = int(time.time())
 
     # ---- parsing -----------------------------------------------------------------------
@@ -202,12 +204,20 @@ class Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "'prompt' must not be empty", "prompt")
+            self.check_length(len(prompt), "prompt")
             return self.engine.tokenizer(_text(prompt, "prompt")).input_ids
         vocab = self.engine.target.config.vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
             return list(prompt)
         raise ApiError(400, f"'prompt' must be a non-empty string or a list of token ids in [0, {vocab})", "prompt")
+
+    def check_length(self, chars: int, param: str):
+        """Refuse, before tokenizing, text that cannot fit the context whatever its tokens: no token
+        of the vocabulary is longer than `max_token_chars` characters."""
+        if chars > self.max_token_chars * self.max_model_len:
+            raise ApiError(400, f"the prompt has {chars} characters, more than this server's context of "
+                                f"{self.max_model_len} tokens can hold", param)
 
     def chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -229,6 +239,7 @@ class Server:
             _text(content, "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             clean.append({"role": role, "content": content})
+        self.check_length(sum(len(m["content"]) for m in clean), "messages")
         try:
             return self.engine.encode_chat(clean)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
@@ -357,7 +368,8 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
             authorize(request)
             body = await server.read_json(request)
             server.check_model(body)
-            prompt_ids = server.chat_prompt(body) if chat else server.completion_prompt(body)
+            # tokenizing a long prompt takes a while: off the event loop, so other requests go on
+            prompt_ids = await asyncio.to_thread(server.chat_prompt if chat else server.completion_prompt, body)
             row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16,
                                                          "messages" if chat else "prompt")
             return_ids = _field(body, "return_token_ids", bool, False, what="a boolean")
