@@ -15,8 +15,6 @@ llama.cpp numbers a target layer by its INPUT: our layer id i (the output of lay
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ import torch
 from .checkpoint import read_config
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
-from .models.gguf import _gguf, copy_fields
+from .models.gguf import _gguf, copy_fields, gguf_file
 
 ARCH = "dflash"
 WEIGHT_TYPES = ("F16", "BF16", "Q8_0", "F32")
@@ -119,11 +117,7 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     if full_vocab:
         vocab = None
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, ARCH)
+    with gguf_file(out, ARCH) as w:
         w.add_name(f"{Path(src).name} (DFlash drafter, blockdraft)")
         w.add_file_type(int({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                              "BF16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -154,14 +148,6 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
             w.add_tensor("d2t", vocab.to(torch.int64).numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
             data, raw = _tensor(gguf, head[vocab], weight_type)
             w.add_tensor("output.weight", data, raw_dtype=raw)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {"layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "weight_type": weight_type,
             "draft_vocab_size": None if vocab is None else int(vocab.numel()),
             "target_layers": [int(i) + 1 for i in cfg.target_layer_ids], "bytes": out.stat().st_size}

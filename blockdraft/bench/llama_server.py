@@ -146,14 +146,10 @@ class LlamaServer:
         return list(data.get("tokens") or []), lengths, timings, seconds
 
     def close(self):
+        from ..serve.client import end_process
+
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
 
     def __enter__(self):
         return self

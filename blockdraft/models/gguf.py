@@ -14,6 +14,7 @@ scales (and minimums), in our parameter names and layout, for the quantized weig
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -30,6 +31,27 @@ def _gguf():
     except ImportError as e:  # pragma: no cover - a core dependency
         raise BlockdraftError("reading GGUF files needs the `gguf` package: pip install gguf") from e
     return gguf
+
+
+@contextlib.contextmanager
+def gguf_file(dst: Path, arch: str):
+    """A GGUFWriter for `dst`: written under a temporary name next to it and renamed into place
+    when the block ends (nothing is left behind on an error)."""
+    gguf = _gguf()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        yield writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def copy_fields(reader, writer, keep=lambda name: True):
@@ -53,11 +75,7 @@ def write_f32_gguf(src: str | Path, dst: str | Path, progress: bool = True) -> P
         raise BlockdraftError(f"GGUF file not found: {src}")
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
+    with gguf_file(dst, arch) as writer:
         copy_fields(reader, writer, lambda name: name != "general.file_type")
         writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
         tensors = reader.tensors
@@ -68,14 +86,6 @@ def write_f32_gguf(src: str | Path, dst: str | Path, progress: bool = True) -> P
         for t in tensors:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             writer.add_tensor(t.name, np.ascontiguousarray(data))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return dst
 
 

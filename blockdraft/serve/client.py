@@ -19,6 +19,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10):
+    """Ask a child process to exit with `sig`; kill it if it has not after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """`python -m blockdraft serve ARGS` on a free loopback port; waits for /health."""
 
@@ -41,13 +52,7 @@ class ServerProcess:
         raise RuntimeError("server did not come up in time")
 
     def stop(self, timeout: float = 60):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc, signal.SIGINT, timeout)
 
     def __enter__(self):
         return self
