@@ -301,7 +301,7 @@ def cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
                     block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                    metrics_public=args.metrics_public)
+                    metrics_public=args.metrics_public, body_timeout=args.body_timeout)
     print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
@@ -310,7 +310,8 @@ def cmd_serve(args) -> int:
     # finish reason) and asks uvicorn to stop taking connections; uvicorn waits longer than the drain, so
     # that it never cancels a stream the scheduler is still ending. A second signal cuts it short.
     http = uvicorn.Server(uvicorn.Config(create_app(server, start_scheduler=False), host=args.host, port=args.port,
-                                         log_level=args.log_level,
+                                         log_level=args.log_level, timeout_keep_alive=args.keep_alive,
+                                         limit_concurrency=args.max_connections,
                                          timeout_graceful_shutdown=int(args.shutdown_grace) + 15))
     failed: list[BaseException] = []
 
@@ -464,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", help="model id in the API (default: the target folder's name)")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may pause while sending its request body (then 408)")
+    s.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept open")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at once; more get 503 (a bound on sockets and tasks)")
     s.add_argument("--metrics-public", action="store_true",
                    help="with --api-key: serve /metrics without it (default: /metrics needs the key too)")
     s.add_argument("--log-level", default="warning")

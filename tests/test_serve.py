@@ -547,3 +547,25 @@ def test_streams_longer_than_the_shutdown_grace_still_end_with_a_finish_reason_a
         assert "Traceback" not in log, log[-2000:]
     finally:
         s.stop()
+
+
+def test_a_slow_body_times_out_with_a_json_408():
+    """--body-timeout: a client that stops sending its body gets a 408 in the OpenAI error shape
+    (the connection and its task are not held forever)."""
+    import socket
+    from urllib.parse import urlparse
+
+    with ServerProcess("--method", "ar", "--max-tokens", "8", "--body-timeout", "1") as s:
+        url = urlparse(s.url)
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                piece = sock.recv(4096)
+                if not piece:
+                    break
+                reply += piece
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(body)["error"]["message"].startswith("the request body did not arrive")

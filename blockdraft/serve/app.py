@@ -106,7 +106,7 @@ class Server:
     def __init__(self, engine, *, model_name: str, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
                  max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
                  adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 shutdown_grace: float = 30.0, metrics_public: bool = False):
+                 shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0):
         self.engine, self.model_name, self.method = engine, model_name, method
         self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
         self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
@@ -115,6 +115,7 @@ class Server:
         self.max_model_len, self.max_tokens_limit = max_model_len, max_tokens_limit
         self.api_key, self.max_body_bytes, self.shutdown_grace = api_key, max_body_bytes, shutdown_grace
         self.metrics_public = metrics_public  # with an API key: /metrics readable without it
+        self.body_timeout = body_timeout  # seconds a client may take between two pieces of its body
         # the longest token's text (a byte-level token's string is at least as long as its text)
         self.max_token_chars = max(8, max((len(t) for t in engine.tokenizer.get_vocab()), default=8))
         self.created = int(time.time())
@@ -129,8 +130,15 @@ class Server:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
         body = bytearray()
+        pieces = request.stream().__aiter__()
         try:
-            async for chunk in request.stream():
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(pieces.__anext__(), self.body_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s") from None
                 body += chunk
                 if len(body) > self.max_body_bytes:
                     raise ApiError(413, f"request body larger than {self.max_body_bytes} bytes")
