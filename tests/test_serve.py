@@ -201,8 +201,8 @@ def test_bad_input_gets_openai_errors(server):
 def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server, engine, client):
     """Requests that once aborted the running batch or got plain-text 500s (a top_k beyond 64
     bits, a lone surrogate, a 5000-digit integer) get OpenAI-shaped 400s; a temperature that
-    underflows samples as greedy; the streams running beside them are unchanged."""
-    streams = start_streams(server, engine, 4, 24)
+    underflows samples as greedy; the 15 streams running beside them are unchanged."""
+    streams = start_streams(server, engine, 15, 24)  # 15 streams and the poisons: 16 and more at once
     chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
     poisons = [
         (json.dumps({**chat, "temperature": 1, "top_k": 2 ** 64}).encode(), "top_k"),
