@@ -38,8 +38,9 @@ class Request:
 class SequenceState:
     output_ids: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error"
     accepted_per_step: list[tuple[int, int]] = field(default_factory=list)  # (drafts accepted, drafted)
+    error: str | None = None  # why this row alone was stopped (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -59,6 +60,7 @@ class Step:
     prefill: bool = False
     batch: int = 0  # occupied slots this step
     block_size: int = 0
+    failed: dict[int, str] = field(default_factory=dict)  # request index -> why it alone was stopped
 
 
 def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
@@ -328,10 +330,31 @@ class DecodeLoop:
         if shared and features is not None:
             features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
-        first = sample_tokens(self.target.logits(last)[:, None], lengths[:, None], self.params[rows])[:, 0]
+        first = self._sample(self.target.logits(last)[:, None], lengths[:, None], rows)[:, 0]
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
-        return {key: _emit(req, state, [int(t)]) for (_, (key, req, state)), t in zip(run, first.tolist())}
+        return {key: [] if state.error else _emit(req, state, [int(t)])
+                for (_, (key, req, state)), t in zip(run, first.tolist())}
+
+    def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The target's tokens for rows `rows`. A row whose own sampling fails (its parameters,
+        say) is stopped alone with the error (`SequenceState.error`) and sampled greedily in
+        this batch; the other rows go on unchanged."""
+        try:
+            return sample_tokens(logits, positions, self.params[rows])
+        except Exception:
+            bad = []
+            for i, b in enumerate(range(rows.start, rows.stop)):
+                try:
+                    sample_tokens(logits[i: i + 1], positions[i: i + 1], self.params[b: b + 1])
+                except Exception as exc:  # noqa: BLE001 - any failure of this row's own sampling
+                    bad.append((b, f"{type(exc).__name__}: {exc}"))
+            if not bad:
+                raise
+            for b, why in bad:
+                self.states[b].error, self.states[b].finish_reason = why, "error"
+                self.params[b] = SamplingParams(0.0)
+            return sample_tokens(logits, positions, self.params[rows])
 
     def sort_rows(self):
         """Put occupied rows first, longest first, free slots last (keys move with their rows)."""
@@ -378,7 +401,10 @@ class DecodeLoop:
         width = block.shape[1]  # the verified tokens: the pending one and the drafts
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
-        target_ids = sample_tokens(self.target.logits(hidden), positions + 1, self.params[rows])
+        was_failed = {b for b in occupied if self.states[b].error}
+        target_ids = self._sample(self.target.logits(hidden), positions + 1, rows)
+        failed = {self.keys[b]: self.states[b].error for b in occupied
+                  if self.states[b].error and b not in was_failed}
         if tree is None:
             accepted, on_path = acceptance(drafts, target_ids), None
             bonus = target_ids.gather(1, accepted[:, None])[:, 0]
@@ -411,8 +437,9 @@ class DecodeLoop:
         self.state.commit(rows, accepted, bonus, active)
         self.proposer.observe(block, features, positions, rows=rows, valid=self.state.committed[rows].clone())
         t3 = time.perf_counter()
+        finished.update({k: True for k in failed})
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
-                    batch=len(occupied), block_size=block_size)
+                    batch=len(occupied), block_size=block_size, failed=failed)
 
 
 @torch.inference_mode()

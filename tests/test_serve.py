@@ -569,3 +569,33 @@ def test_a_slow_body_times_out_with_a_json_408():
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), reply[:200]
         assert json.loads(body)["error"]["message"].startswith("the request body did not arrive")
+
+
+def test_a_row_whose_sampling_fails_is_stopped_alone_and_the_batch_goes_on(smol, tokenizer, chat_ids):
+    """Per-row fault isolation: a request whose own sampling raises (parameters that slipped past
+    the API's checks) ends with an error for that request alone, at its first token and mid-way;
+    the rows beside it give exactly their greedy answers."""
+    from blockdraft.decode import generate_steps
+    from blockdraft.proposers import Proposer
+
+    n = 12
+    engine = Engine(smol, tokenizer)
+    sched = Scheduler(engine, method="ar", max_batch=4, max_queue=10, max_model_len=1024)
+    truths = []
+    for ids in chat_ids[:2]:
+        states = []
+        for _ in generate_steps(smol, Proposer(), [Request(ids, n, stop_token_ids=(2,))], 1, states):
+            pass
+        truths.append(states[0].output_ids)
+    sched.start()
+    good = [sched.submit(engine.make_row(ids, n), lambda h: None) for ids in chat_ids[:2]]
+    bad_row = engine.make_row(chat_ids[2], n, temperature=1.0, seed=1)
+    bad_row.request.sampling.top_k = 2 ** 64  # past every check: its sampling raises in the batch
+    bad = sched.submit(bad_row, lambda h: None)
+    deadline = time.time() + 600
+    while not (all(h.done for h in good) and bad.done) and time.time() < deadline:
+        time.sleep(0.05)
+    sched.shutdown(grace=5)
+    assert bad.done and bad.error and "failed" in bad.error and bad.error_status == 400
+    for h, truth in zip(good, truths):
+        assert h.error is None and h.state.output_ids == truth

@@ -296,7 +296,7 @@ class Scheduler:
         self.policy.record(batch, block, step.total_seconds, outcomes)
         if self.metrics is not None:
             self.metrics.observe_step(batch, block, outcomes)
-        self._deliver(step.new_ids)
+        self._deliver({**step.new_ids, **{k: [] for k in step.failed}})
 
     def _deliver(self, new_ids: dict):
         now = time.perf_counter()
@@ -306,6 +306,8 @@ class Scheduler:
                 continue
             if h.first_token_at is None and h.state.output_ids:
                 h.first_token_at = now
+            if h.state.error:  # this request alone failed (its sampling): the batch went on
+                h.error, h.error_status = f"this request failed: {h.state.error}", 400
             if h.state.finished:
                 self.loop.release(key)
                 with self.cond:
