@@ -27,7 +27,7 @@ def describe(folder: Path) -> tuple[str, Counter, int, int, int, int]:
     n = 0
     for s in iter_samples(folder):
         n += 1
-        sources[s["source"]] += 1
+        sources[s.get("source") or s["id"].split("/")[0]] += 1
         valid += s["split"] == "valid"
         cut += s["finish_reason"] == "length"
         prompts.add(prompt_of(s["id"]))
