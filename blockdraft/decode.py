@@ -330,18 +330,18 @@ class DecodeLoop:
         if shared and features is not None:
             features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
-        first = self._sample(self.target.logits(last)[:, None], lengths[:, None], rows)[:, 0]
+        first = self._sample(self.target.logits(last)[:, None], lengths[:, None], rows)[0][:, 0]
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
         return {key: [] if state.error else _emit(req, state, [int(t)])
                 for (_, (key, req, state)), t in zip(run, first.tolist())}
 
-    def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
-        """The target's tokens for rows `rows`. A row whose own sampling fails (its parameters,
-        say) is stopped alone with the error (`SequenceState.error`) and sampled greedily in
-        this batch; the other rows go on unchanged."""
+    def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict]:
+        """The target's tokens for rows `rows`, and {request key: error} for the rows stopped here.
+        A row whose own sampling fails (its parameters, say) is stopped alone with the error
+        (`SequenceState.error`) and sampled greedily in this batch; the other rows go on unchanged."""
         try:
-            return sample_tokens(logits, positions, self.params[rows])
+            return sample_tokens(logits, positions, self.params[rows]), {}
         except Exception:
             bad = []
             for i, b in enumerate(range(rows.start, rows.stop)):
@@ -354,7 +354,7 @@ class DecodeLoop:
             for b, why in bad:
                 self.states[b].error, self.states[b].finish_reason = why, "error"
                 self.params[b] = SamplingParams(0.0)
-            return sample_tokens(logits, positions, self.params[rows])
+            return sample_tokens(logits, positions, self.params[rows]), {self.keys[b]: why for b, why in bad}
 
     def sort_rows(self):
         """Put occupied rows first, longest first, free slots last (keys move with their rows)."""
@@ -401,10 +401,7 @@ class DecodeLoop:
         width = block.shape[1]  # the verified tokens: the pending one and the drafts
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
-        was_failed = {b for b in occupied if self.states[b].error}
-        target_ids = self._sample(self.target.logits(hidden), positions + 1, rows)
-        failed = {self.keys[b]: self.states[b].error for b in occupied
-                  if self.states[b].error and b not in was_failed}
+        target_ids, failed = self._sample(self.target.logits(hidden), positions + 1, rows)
         if tree is None:
             accepted, on_path = acceptance(drafts, target_ids), None
             bonus = target_ids.gather(1, accepted[:, None])[:, 0]

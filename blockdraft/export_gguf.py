@@ -159,6 +159,11 @@ def _target_head(gguf, reader) -> torch.Tensor:
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None:
         raise BlockdraftError("the target GGUF has neither output.weight nor token_embd.weight")
+    return _fp32(gguf, t)
+
+
+def _fp32(gguf, t) -> torch.Tensor:
+    """A GGUF reader tensor, de-quantized, as a writable fp32 torch tensor."""
     return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
 
 
@@ -174,6 +179,5 @@ def read_gguf_drafter(path: str | Path) -> tuple[dict, dict]:
         if t.tensor_type == gguf.GGMLQuantizationType.I64:
             tensors[t.name] = torch.from_numpy(np.array(t.data, dtype=np.int64))
         else:
-            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))
+            tensors[t.name] = _fp32(gguf, t)
     return meta, tensors

@@ -24,7 +24,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -34,15 +33,15 @@ import httpx
 import torch
 
 from ..errors import BlockdraftError
+from ..serve.client import end_process, free_port
 
 REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "bin" / "llama-server"
 BUILD_HINT = ("llama.cpp's llama-server is not built: `make llama-server` builds it once from the pinned "
               "llama-cpp-python sdist's source (~17 minutes on 2 cores), or set BLOCKDRAFT_LLAMA_SERVER to a binary")
-AMX_SERVER_HINT = (
-    "llama-server died with an illegal instruction: it was compiled for AMX, which this CPU reports but its kernel "
-    "or hypervisor does not enable (quantized weights, e.g. a Q8_0 drafter or a Q4_1 target, run AMX kernels). "
-    "Rebuild without AMX: rm -rf build/llama.cpp && make llama-server LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF "
-    "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
+AMX_HINT = ("{what} died with an illegal instruction: it was compiled for AMX, which this CPU reports but its "
+            "kernel or hypervisor does not enable (quantized weights run AMX kernels). Rebuild without AMX: "
+            "rm -rf build/llama.cpp && make {target} LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
+            "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
 STEP = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
@@ -56,12 +55,6 @@ def find_llama_server() -> Path | None:
     return Path(found) if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """One llama-server process (optionally with a DFlash drafter); `complete(ids, ...)`
     returns (new token ids, per-step acceptance lengths, response timings)."""
@@ -73,7 +66,7 @@ class LlamaServer:
         if binary is None:
             raise BlockdraftError(BUILD_HINT)
         threads = threads or torch.get_num_threads()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(context),
                "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", "-ngl", "0"]
@@ -94,7 +87,7 @@ class LlamaServer:
         while True:
             if self.proc.poll() is not None:
                 if self.proc.returncode == -signal.SIGILL:
-                    raise BlockdraftError(AMX_SERVER_HINT)
+                    raise BlockdraftError(AMX_HINT.format(what="llama-server", target="llama-server"))
                 tail = "\n".join(self.log[-15:])
                 raise BlockdraftError(f"llama-server exited with {self.proc.returncode} while starting:\n{tail}")
             try:
@@ -146,8 +139,6 @@ class LlamaServer:
         return list(data.get("tokens") or []), lengths, timings, seconds
 
     def close(self):
-        from ..serve.client import end_process
-
         self.http.close()
         end_process(self.proc)
 

@@ -92,10 +92,7 @@ def default_gguf(engine) -> Path:
     return gguf_path() if engine.weights == "q4_1" else default_f32_gguf()
 
 
-AMX_HINT = ("llama.cpp died with an illegal instruction on {name}: it was compiled for AMX, which this CPU "
-            "reports but its kernel or hypervisor does not enable. Rebuild without AMX, e.g. "
-            "make peers LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-            "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
+
 
 
 def probe_llamacpp(path: Path) -> None:
@@ -111,7 +108,9 @@ def probe_llamacpp(path: Path) -> None:
             "next(m.generate([1, 2, 3], temp=0.0, top_k=1))")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     if proc.returncode == -signal.SIGILL:
-        raise BlockdraftError(AMX_HINT.format(name=path.name))
+        from .llama_server import AMX_HINT
+
+        raise BlockdraftError(AMX_HINT.format(what=f"llama.cpp on {path.name}", target="peers"))
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise BlockdraftError(f"llama.cpp cannot run {path.name}: {tail}")

@@ -360,9 +360,7 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         authorize(request)
-        if model_id != server.model_name:
-            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{server.model_name}'",
-                           "model", code="model_not_found")
+        server.check_model({"model": model_id})
         return model_card()
 
     @app.exception_handler(Exception)

@@ -323,7 +323,9 @@ class AnswerDeduper:
         self.path = folder / "dropped.txt"
         self.dropped = set(self.path.read_text().split()) if self.path.exists() else set()
         self.kept: dict[str, set[bytes]] = {}
+        self.written: set[str] = set()  # ids already in the folder
         for s in samples:
+            self.written.add(s["id"])
             self.kept.setdefault(prompt_of(s["id"]), set()).add(self._key(s["answer_ids"]))
 
     @staticmethod
@@ -448,7 +450,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     try:
         tidy_shards(out)
         dedup = AnswerDeduper(out, iter_samples(out))
-        done = {s["id"] for s in iter_samples(out)} | dedup.dropped
+        done = dedup.written | dedup.dropped
         stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
