@@ -424,6 +424,20 @@ def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(t
         Trainer(tiny_config(root, tmp_path / "c", num_layers=3, init_from=str(tmp_path / "a" / "drafter")))
 
 
+def test_warm_start_keeps_the_saved_draft_vocabulary_on_other_data(tiny_corpus, tmp_path):
+    """A warm start on other data (here: 2 samples, whose frequent tokens differ) scores the saved
+    drafter's draft vocabulary, not one recounted from its own data."""
+    root = tiny_corpus[0]
+    Trainer(tiny_config(root, tmp_path / "a", max_steps=2, draft_vocab=48)).run()
+    saved = DFlashDrafter.load(tmp_path / "a" / "drafter").draft_vocab
+    recount = Trainer(tiny_config(root, tmp_path / "r", draft_vocab=48, limit_samples=2)).drafter.draft_vocab
+    assert not torch.equal(recount, saved)  # the small data's own count would give another vocabulary
+    warm = Trainer(tiny_config(root, tmp_path / "b", draft_vocab=48, limit_samples=2,
+                               init_from=str(tmp_path / "a" / "drafter")))
+    assert torch.equal(warm.drafter.draft_vocab, saved)
+    assert torch.equal(warm.to_draft[saved], torch.arange(48))
+
+
 def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp_path):
     """`blockdraft train --sliding-window W --full-layers ...`: the masked training forward of a
     drafter with a sliding-window layer equals its cached decode forward block for block (the

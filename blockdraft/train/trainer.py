@@ -295,10 +295,11 @@ class Trainer:
         if cfg.init_from:
             self._init_from_folder(Path(cfg.init_from))
         self.to_draft = None
-        if cfg.draft_vocab:
+        if cfg.draft_vocab and not cfg.init_from:  # a warm start keeps its folder's vocabulary
             self.drafter.set_draft_vocab(frequent_tokens([s[0][s[1]:] for s in self.samples],
                                                          [s[0][:s[1]] for s in self.samples],
                                                          self.drafter.draft_vocab.numel(), self.target.config.vocab_size))
+        if cfg.draft_vocab:
             self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
         self.features = None
