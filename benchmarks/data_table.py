@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
-from blockdraft.train.data import iter_samples, prompt_of  # noqa: E402
+from blockdraft.train.answers import prompt_of  # noqa: E402
+from blockdraft.train.data import iter_samples  # noqa: E402
 
 
 def describe(folder: Path) -> tuple[str, Counter, int, int, int, int]:

@@ -130,7 +130,8 @@ def _interrupt_on_sigterm():
 
 
 def cmd_data_regenerate(args) -> int:
-    from .train.data import AnswerSampling, regenerate
+    from .train.answers import AnswerSampling
+    from .train.data import regenerate
 
     _interrupt_on_sigterm()
     if args.server:
@@ -301,7 +302,8 @@ def cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
                     block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                    metrics_public=args.metrics_public, body_timeout=args.body_timeout)
+                    metrics_public=args.metrics_public, body_timeout=args.body_timeout,
+                    max_requests=args.max_connections)
     print(f"serve: {name} ({engine.weights} weights) with {args.method}"
           + (f" (block {server.scheduler.loop.block_size}, {args.speculation})" if args.method != "ar" else "")
           + f", {args.max_batch} slots, queue {args.max_queue}, on http://{args.host}:{args.port}", file=sys.stderr)
@@ -311,7 +313,8 @@ def cmd_serve(args) -> int:
     # that it never cancels a stream the scheduler is still ending. A second signal cuts it short.
     http = uvicorn.Server(uvicorn.Config(create_app(server, start_scheduler=False), host=args.host, port=args.port,
                                          log_level=args.log_level, timeout_keep_alive=args.keep_alive,
-                                         limit_concurrency=args.max_connections,
+                                         # sockets (idle keep-alives too): a backstop above the request cap
+                                         limit_concurrency=2 * args.max_connections,
                                          timeout_graceful_shutdown=int(args.shutdown_grace) + 15))
     failed: list[BaseException] = []
 
@@ -469,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a client may pause while sending its request body (then 408)")
     s.add_argument("--keep-alive", type=int, default=5, help="seconds an idle keep-alive connection is kept open")
     s.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections at once; more get 503 (a bound on sockets and tasks)")
+                   help="requests handled at once (slow bodies, streams and queued requests count); more get a "
+                        "JSON 503 with Retry-After; open sockets, idle keep-alives included, are capped at twice this")
     s.add_argument("--metrics-public", action="store_true",
                    help="with --api-key: serve /metrics without it (default: /metrics needs the key too)")
     s.add_argument("--log-level", default="warning")

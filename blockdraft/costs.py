@@ -92,6 +92,37 @@ class StepCosts:
         return [self.seconds.get((batch, w), scale * prior_cost(w)) for w in widths]
 
 
+class PositionAcceptance:
+    """Per draft position k = 1, 2, ...: how many steps drafted position k with drafts 1..k-1
+    all accepted (`reached`), and how many of those accepted it. The one definition of the
+    per-position acceptance rate P(draft k accepted | drafts 1..k-1 accepted): the benchmark
+    reports it, the serve policy's expected tokens per step are made of it."""
+
+    def __init__(self, positions: int):
+        self.reached = [0] * positions
+        self.accepted = [0] * positions
+
+    def record(self, accepted: int, drafted: int):
+        """One step that drafted `drafted` tokens of which the first `accepted` were accepted."""
+        for k in range(1, min(drafted, accepted + 1, len(self.reached)) + 1):
+            self.reached[k - 1] += 1
+            self.accepted[k - 1] += k <= accepted
+
+    def rates(self, prior: tuple[float, float] = (0.0, 0.0)) -> list[float]:
+        """Rate per position, (accepted + a) / (reached + a + b) with the prior (a, b) (e.g. (1, 1):
+        an unseen position counts as 1/2); 0.0 where a position was never reached without one."""
+        a, b = prior
+        return [(acc + a) / (n + a + b) if n + a + b else 0.0 for acc, n in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, block: int, prior: tuple[float, float] = (1.0, 1.0)) -> float:
+        """E[tokens a step commits at `block`] = 1 + sum_k prod_{j<=k} p_j (the bonus token included)."""
+        total, alive = 1.0, 1.0
+        for p in self.rates(prior)[: block - 1]:
+            alive *= p
+            total += alive
+        return total
+
+
 def best_width(scores: torch.Tensor, costs: StepCosts, batch: int, widths=None) -> int:
     """How many draft nodes to verify: scores [B, N] are the nodes' estimated acceptance
     probabilities in best-first order (non-increasing per row, every prefix a valid draft).

@@ -29,7 +29,7 @@ from .models.default import DEFAULT_TARGET_NAME, default_target_dir
 from .models.packed import pack_linears
 from .proposers import Proposer
 from .sampling import SamplingParams
-from .text import TextStream
+from .text import TextStream, chat_prompt_ids
 
 # Drafters shipped inside the package (package data), by (target name, drafter kind).
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
@@ -224,9 +224,7 @@ class Engine:
         if not prompt:
             raise BlockdraftError("empty prompt")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            return chat_prompt_ids(self.tokenizer, prompt)
         return self.tokenizer(prompt).input_ids
 
     def proposer(self, method: str) -> Proposer:
@@ -316,8 +314,7 @@ class Engine:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation in the target's chat template, ready for the answer."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None) -> Row:

@@ -77,3 +77,10 @@ class TextStream:
             return ""
         out, self.sent = text[self.sent:], len(text)
         return out
+
+
+def chat_prompt_ids(tokenizer, turns: list[dict] | str) -> list[int]:
+    """Token ids of a conversation (or one user turn) in the chat template, ready for the answer."""
+    messages = [{"role": "user", "content": turns}] if isinstance(turns, str) else turns
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -33,7 +33,8 @@ import torch
 from blockdraft import Engine
 from blockdraft.models.transformer import KVCache
 from blockdraft.bench.runner import cpu_name
-from blockdraft.train.data import AnswerSampling, answer_prompts, parse_mix, regenerate, training_prompts
+from blockdraft.train.answers import AnswerSampling
+from blockdraft.train.data import answer_prompts, parse_mix, regenerate, training_prompts
 
 
 def main():

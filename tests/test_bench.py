@@ -73,3 +73,25 @@ def test_distribution_check_and_lookup_sanity(draft_dir):
     ar = results["ar"]["prompts"][0]["token_ids"]
     assert results["lookup@6"]["prompts"][0]["token_ids"] == ar == results["hf-lookup@6"]["prompts"][0]["token_ids"]
     assert results["lookup@6"]["tau"] > 1.2  # repetition is where prompt lookup pays
+
+
+def test_per_position_acceptance_has_one_definition_for_bench_and_serve():
+    """P(draft k accepted | drafts 1..k-1 accepted), counted only where position k was drafted:
+    hand-counted tables for the benchmark's lengths and the server's (accepted, drafted) outcomes."""
+    from blockdraft.bench.runner import acceptance_stats
+    from blockdraft.costs import PositionAcceptance
+    from blockdraft.serve.scheduler import SpeculationPolicy
+
+    # block 4 (3 drafts): lengths 1, 2, 4, 4, 3 commit 0, 1, 3, 3, 2 drafts
+    hist, rates = acceptance_stats([1, 2, 4, 4, 3], 4)
+    assert hist == [0, 0.2, 0.2, 0.2, 0.4]
+    assert rates == [4 / 5, 3 / 4, 2 / 3]
+    acc = PositionAcceptance(3)
+    for accepted, drafted in [(0, 3), (1, 1), (1, 3), (2, 2)]:  # a step drafting 1 or 2 reaches no further
+        acc.record(accepted, drafted)
+    assert acc.reached == [4, 2, 0] and acc.accepted == [3, 1, 0]
+    assert acc.rates() == [3 / 4, 1 / 2, 0.0]
+    assert acc.expected_tokens(3) == pytest.approx(1 + 4 / 6 + 4 / 6 * 2 / 4)  # prior (1, 1)
+    policy = SpeculationPolicy(max_block=4)
+    policy.record(1, 4, 0.1, [(0, 3), (1, 1), (1, 3), (2, 2)])
+    assert policy.expected_tokens(4) == pytest.approx(acc.expected_tokens(4))

@@ -140,7 +140,8 @@ def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resume
     and asking for more answers later adds only the new indices."""
     from blockdraft import Engine
     from blockdraft.errors import BlockdraftError
-    from blockdraft.train.data import AnswerSampling, iter_samples, prompt_of, regenerate, sample_seed
+    from blockdraft.train.answers import AnswerSampling, prompt_of, sample_seed
+    from blockdraft.train.data import iter_samples, regenerate
 
     engine = Engine.load(use_draft=False)
     sampling = AnswerSampling(1.0, 0.9, 50)
@@ -167,7 +168,7 @@ def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resume
 
 
 def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_path):
-    from blockdraft.train.data import AnswerDeduper
+    from blockdraft.train.answers import AnswerDeduper
 
     kept = [{"id": "p/1", "answer_ids": [5, 6, 2]}]
     dedup = AnswerDeduper(tmp_path, kept)

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .. import methods as registry
+from ..costs import PositionAcceptance
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
@@ -87,15 +88,12 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
     if not lengths:
         return [], []
     hist = [0] * (block + 1)
+    positions = PositionAcceptance(block - 1)
     for a in lengths:
         hist[min(a, block)] += 1
+        positions.record(a - 1, block - 1)
     total = max(1, len(lengths))
-    rates = []
-    for k in range(1, block):
-        reached = sum(1 for a in lengths if a - 1 >= k - 1)
-        accepted = sum(1 for a in lengths if a - 1 >= k)
-        rates.append(accepted / reached if reached else 0.0)
-    return [h / total for h in hist], rates
+    return [h / total for h in hist], positions.rates()
 
 
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,

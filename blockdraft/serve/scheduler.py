@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..costs import StepCosts
+from ..costs import PositionAcceptance, StepCosts
 from ..decode import DecodeLoop, SequenceState, default_sort_every
 from ..engine import Engine
 from ..errors import BlockdraftError
@@ -79,8 +79,7 @@ class SpeculationPolicy:
         self.rng = random.Random(seed)
         self.costs = StepCosts()  # EMA of whole-step seconds (drafting included) per (batch, block)
         self.estimate = estimate
-        self.reached = [0] * max_block  # per draft position k (1-based index k-1): drafted there
-        self.accepted = [0] * max_block  # ... and accepted
+        self.acceptance = PositionAcceptance(max_block)
 
     @property
     def cost(self) -> dict[tuple[int, int], float]:
@@ -90,12 +89,7 @@ class SpeculationPolicy:
         estimated = self.estimate(block) if self.estimate is not None and block > 1 else None
         if estimated is not None:
             return estimated
-        total, alive = 1.0, 1.0
-        for k in range(1, block):
-            p = (self.accepted[k - 1] + 1) / (self.reached[k - 1] + 2)
-            alive *= p
-            total += alive
-        return total
+        return self.acceptance.expected_tokens(block)
 
     def choose(self, batch: int) -> int:
         if not self.adaptive:
@@ -128,9 +122,7 @@ class SpeculationPolicy:
     def record(self, batch: int, block: int, seconds: float, outcomes: list[tuple[int, int]]):
         self.costs.record(batch, block, seconds)
         for accepted, drafted in outcomes:
-            for k in range(1, min(drafted, accepted + 1) + 1):
-                self.reached[k - 1] += 1
-                self.accepted[k - 1] += k <= accepted
+            self.acceptance.record(accepted, drafted)
 
 
 class Scheduler:

@@ -21,7 +21,7 @@ import httpx
 
 from ..errors import BlockdraftError
 from ..sampling import SamplingParams
-from .data import AnswerSampling, make_sample
+from .answers import AnswerSampling, make_sample
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
