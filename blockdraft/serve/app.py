@@ -106,7 +106,8 @@ class Server:
     def __init__(self, engine, *, model_name: str, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
                  max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
                  adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0):
+                 shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0,
+                 max_requests: int | None = None):
         self.engine, self.model_name, self.method = engine, model_name, method
         self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
         self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
@@ -116,6 +117,7 @@ class Server:
         self.api_key, self.max_body_bytes, self.shutdown_grace = api_key, max_body_bytes, shutdown_grace
         self.metrics_public = metrics_public  # with an API key: /metrics readable without it
         self.body_timeout = body_timeout  # seconds a client may take between two pieces of its body
+        self.max_requests = max_requests  # HTTP requests handled at once (None: no cap); more get a JSON 503
         # the longest token's text (a byte-level token's string is at least as long as its text)
         self.max_token_chars = max(8, max((len(t) for t in engine.tokenizer.get_vocab()), default=8))
         self.created = int(time.time())
@@ -304,11 +306,13 @@ class Server:
 
     @staticmethod
     def finish_reason(h) -> str:
-        return "abort" if h.cancelled and not h.state.finished else (h.state.finish_reason or "length")
+        """OpenAI's values only: an answer cut short by the server (shutdown) is "length", truncated
+        by a limit, as one that reached max_tokens is."""
+        return h.state.finish_reason if h.state.finished and h.state.finish_reason else "length"
 
 
-def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
-    """The FastAPI app. `start_scheduler=False`: the caller steps the scheduler itself
+def create_app(server: Server, start_scheduler: bool = True):
+    """The ASGI app: FastAPI's, behind `RequestCap` when the server has a request cap. `start_scheduler=False`: the caller steps the scheduler itself
     (`Scheduler.run` on the main thread, as `blockdraft serve` does)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -469,7 +473,31 @@ def create_app(server: Server, start_scheduler: bool = True) -> FastAPI:
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    return app
+    return RequestCap(app, server.max_requests) if server.max_requests else app
+
+
+class RequestCap:
+    """ASGI wrapper: at most `limit` HTTP requests are handled at once (a slow body, a long
+    stream and a queued request each hold one); the next gets a 503 in the OpenAI error shape
+    with Retry-After, without reaching the app. /health is never refused, so that a load
+    balancer sees an overloaded server as alive."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            refused = ApiError(503, f"the server is handling {self.limit} requests, its limit (--max-connections); "
+                                    "retry later", kind="server_error", code="overloaded",
+                               headers={"Retry-After": "1"})
+            return await refused.response()(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 def _sse(obj: dict) -> str:
