@@ -9,6 +9,10 @@
     .venv/bin/python scripts/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
     # trained blocks compared as served at a small block (CPU): the same steps for every run
     .venv/bin/python scripts/experiments.py served --runs block-8-anchors-32 block-4-anchors-64 --steps 370 --block 3
+    # which answers to regenerate next: greedy vs sampled answers to the SAME prompts, each branch
+    # warm-started from the shipped drafter, equal steps, evaluated on the same held-out greedy answers
+    .venv/bin/python scripts/experiments.py sampling --sources greedy=data/regen/smollm2-135m-instruct \
+        t07=data/regen/smollm2-135m-instruct-t07 t10=data/regen/smollm2-135m-instruct-t10
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python scripts/experiments.py table --plot docs/data_scaling.png
 
@@ -37,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.train.answers import prompt_of
+from blockdraft.train.data import ShardWriter, iter_samples
 from blockdraft.train.trainer import TrainConfig, Trainer
 
 DATA = "data/regen/smollm2-135m-instruct"
@@ -247,6 +253,71 @@ def cmd_served(args):
               file=sys.stderr)
 
 
+# The shipped DFlash drafter's recipe (its card): the warm start of the sampling A/B.
+SHIPPED = dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=3e-4, draft_vocab=8192,
+               schedule="wsd", warmup_steps=25, max_seq_len=512,
+               init_from="blockdraft/shipped/smollm2-135m-instruct-dflash")
+
+
+def sampling_data(sources: dict[str, str], out: Path) -> dict[str, dict]:
+    """One folder per source holding its training answers to the prompts that EVERY source
+    answers (so the branches differ only in the answers), plus the first source's held-out
+    answers (the same evaluation set for all). Written once; returns per-source counts."""
+    train = {name: [s for s in iter_samples(folder) if s["split"] == "train"] for name, folder in sources.items()}
+    common = set.intersection(*({prompt_of(s["id"]) for s in rows} for rows in train.values()))
+    first = next(iter(sources.values()))
+    valid = [s for s in iter_samples(first) if s["split"] == "valid"]
+    info = {}
+    for name, rows in train.items():
+        folder = out / name
+        kept = [s for s in rows if prompt_of(s["id"]) in common]
+        if not folder.is_dir():
+            folder.mkdir(parents=True)
+            writer = ShardWriter(folder)
+            for s in kept + valid:
+                writer.write(s)
+            writer.close()
+        info[name] = {"folder": str(folder), "source": sources[name], "prompts": len(common),
+                      "train_samples": len(kept), "valid_samples": len(valid),
+                      "answer_tokens": sum(len(s["answer_ids"]) for s in kept),
+                      "temperature": kept[0].get("temperature", 0.0) if kept else None}
+    return info
+
+
+def cmd_sampling(args):
+    """Greedy vs sampled answers at equal training compute. Every branch starts from the shipped
+    drafter (which has seen the greedy answers of every training prompt) and trains --steps steps
+    on its source's answers to the same prompts; all are then measured on the greedy source's
+    held-out answers (teacher-forced τ) and held-out prompts (decode loop), as is the untouched
+    shipped drafter ("start"). The question it answers: with greedy answers for every prompt,
+    does a further pass gain more from new sampled answers (and at which temperature) than
+    from the greedy ones again?"""
+    sources = dict(item.split("=", 1) for item in args.sources)
+    info = sampling_data(sources, RUNS / "sampling-data")
+    for name, row in info.items():
+        print(f"{name}: {row['train_samples']} answers to {row['prompts']} prompts, "
+              f"{row['answer_tokens']} answer tokens", file=sys.stderr)
+    settings = {**SHIPPED, "dtype": args.dtype, "eval_every": 10**9, "eval_prompts": args.eval_prompts,
+                "eval_max_new_tokens": args.eval_max_new_tokens, "save_every": 25, "log_every": 5,
+                "seed": args.seed}
+    first = next(iter(info))
+    if "sampling/start" not in done_runs():
+        cfg = TrainConfig(data=info[first]["folder"], out=str(RUNS / "sampling-start"), max_steps=0, **settings)
+        trainer = Trainer(cfg)
+        result = {"run": "sampling/start", "kind": "sampling", "source": "(shipped, no further step)", "steps": 0,
+                  "tau": trainer.evaluate_tau(), **trainer.evaluate_blocks(BLOCK_SAMPLES),
+                  "eval_prompts": cfg.eval_prompts, "threads": torch.get_num_threads()}
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"start: tau {result['tau']:.3f}, teacher-forced {result['tau_blocks']:.3f}", file=sys.stderr)
+    for name, row in info.items():
+        key = f"sampling/{name}"
+        if key in done_runs():
+            continue
+        cfg = TrainConfig(data=row["folder"], out=str(RUNS / f"sampling-{name}"), max_steps=args.steps, **settings)
+        run(key, cfg, {"kind": "sampling", **row})
+
+
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
@@ -326,7 +397,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -351,9 +422,14 @@ def main():
                    help="one 1-epoch WSD pass; each size decays off it (--epochs ignored)")
     s.add_argument("--warmup-steps", type=int, default=25, help="--wsd-branches: fixed warmup shared by all sizes")
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
+    a = sub.choices["sampling"]
+    a.add_argument("--sources", nargs="+", required=True,
+                   help="NAME=FOLDER of regenerated answers; the first one's held-out answers are the evaluation set")
+    a.add_argument("--steps", type=int, default=150, help="training steps of every branch")
+    a.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "blocks": cmd_blocks,
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 
 
