@@ -154,10 +154,15 @@ def cmd_data_regenerate(args) -> int:
         source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash",
                              dtype=getattr(torch, args.dtype) if args.dtype else None)
     sampling = AnswerSampling(args.temperature, args.top_p, args.top_k)
+    sources = None
+    if args.prompts:
+        from .train.prompts import prompt_sources
+
+        sources = prompt_sources(args.prompts)
     stats = regenerate(source, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, sampling=sampling,
                        answers_per_prompt=args.answers_per_prompt, method=args.method, seconds=args.seconds,
-                       concurrency=args.concurrency)
+                       concurrency=args.concurrency, sources=sources)
     print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
           f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
     if stats.duplicates:
@@ -174,6 +179,24 @@ def cmd_data_regenerate(args) -> int:
         if stats.rejected:
             print(f"regenerate: the server refused {stats.rejected} prompts (retried next run), e.g. "
                   f"{stats.last_rejection}", file=sys.stderr)
+    return 0
+
+
+def cmd_data_prompts(args) -> int:
+    import torch
+
+    from .engine import Engine
+    from .train.answers import AnswerSampling
+    from .train.prompts import synthesize
+
+    _interrupt_on_sigterm()
+    engine = Engine.load(args.target, use_draft=False, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    stats = synthesize(engine, args.out, args.synthesize, args.domain, max_prompt_tokens=args.max_prompt_tokens,
+                       batch_size=args.batch_size, sampling=AnswerSampling(args.temperature, args.top_p, args.top_k),
+                       seconds=args.seconds, similarity=args.similarity)
+    why = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
+    print(f"prompts: {args.out} holds {stats.kept} {args.domain} prompts (of {args.synthesize}); rejected so far: "
+          f"{why}", file=sys.stderr)
     return 0
 
 
@@ -392,7 +415,31 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--text-only", action="store_true",
                    help="--server: do not ask for token ids (servers that reject `return_token_ids`); the answers "
                         "are tokenized here")
+    r.add_argument("--prompts", metavar="DIR",
+                   help="answer self-written prompts (`data prompts`): DIR, or each of its subfolders, is a source "
+                        "named by its folder (e.g. --mix synth-code=1,synth-math=1; default: all equally)")
     r.set_defaults(func=cmd_data_regenerate)
+
+    q = data.add_parser("prompts", help="training prompts written by the target itself (Magpie-style, resumable)")
+    q.add_argument("--synthesize", type=int, required=True, metavar="N", help="kept prompts the folder should hold")
+    q.add_argument("--domain", choices=["code", "math", "chat"], required=True,
+                   help="the system prompt the user turns are written under (math prompts are asked in the "
+                        "benchmark's math template)")
+    q.add_argument("--out", required=True, help="folder of gzip JSON-lines shards (resumes what is there), e.g. "
+                                                "data/prompts/smollm2-135m-instruct/synth-code")
+    q.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="token cap of a written prompt; one that reaches it is rejected as cut")
+    q.add_argument("--batch-size", type=int, default=128, help="rows decoded together (continuous batching)")
+    q.add_argument("--temperature", type=float, default=1.0)
+    q.add_argument("--top-p", type=float, default=0.95)
+    q.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    q.add_argument("--similarity", type=float, default=0.5,
+                   help="a prompt whose word 4-gram Jaccard similarity with a kept one reaches this is a "
+                        "near-duplicate and rejected")
+    q.add_argument("--seconds", type=float, help="stop after this long (a later run continues)")
+    q.add_argument("--target", help="target model folder (default: the bundled SmolLM2-135M-Instruct)")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the target's precision")
+    q.set_defaults(func=cmd_data_prompts)
 
     t = sub.add_parser("train", help="train a DFlash drafter on regenerated data (torchrun for DDP)")
     _add_train_args(t)

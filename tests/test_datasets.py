@@ -178,3 +178,67 @@ def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_
     assert not dedup.keep({"id": "p/1~a3", "answer_ids": [5, 7, 2]})
     again = AnswerDeduper(tmp_path, kept)  # a rerun knows what it dropped
     assert again.dropped == {"p/1~a1", "p/1~a3"}
+
+
+def test_self_written_prompts_are_the_targets_own_seeded_samples_resume_and_feed_regeneration(tmp_path):
+    """`data prompts --synthesize N --domain D`: every kept prompt is the target's own seeded sample
+    (temperature 1, top-p 0.95) after the domain's system prompt and the user header, decoded;
+    a rerun for the same N writes nothing, a larger N only adds; every candidate is kept or
+    rejected with a reason, never both; `data regenerate --prompts` answers the kept ones
+    (math ones in the benchmark's math template) with the usual held-out split."""
+    from blockdraft import Engine
+    from blockdraft.datasets import MATH_TEMPLATE, is_validation
+    from blockdraft.train.answers import sample_seed
+    from blockdraft.train.data import iter_samples, regenerate
+    from blockdraft.train.prompts import DOMAINS, prompt_head_ids, prompt_sources, synthesize
+
+    engine = Engine.load(use_draft=False)
+    out = tmp_path / "synth-math"
+    run = dict(max_prompt_tokens=48, batch_size=4, progress=False)
+    stats = synthesize(engine, out, 3, "math", **run)
+    kept = list(iter_samples(out))
+    assert stats.kept == len(kept) == 3
+    for rec in kept:
+        head = prompt_head_ids(engine.tokenizer, DOMAINS["math"][rec["system"]])
+        alone = engine.generate(head, method="ar", max_new_tokens=48, temperature=1.0, top_p=0.95,
+                                seed=sample_seed(rec["id"]))
+        assert alone.finish_reason == "stop"
+        assert rec["question"] == engine.tokenizer.decode(alone.token_ids, skip_special_tokens=True).strip()
+        assert rec["turns"] == [MATH_TEMPLATE.format(question=rec["question"])]
+    rejected = dict(line.split("\t") for line in (out / "rejected.tsv").read_text().splitlines())
+    assert not set(rejected) & {r["id"] for r in kept}
+    assert set(rejected.values()) <= {"cut", "short", "role", "language", "repetitive", "evaluation", "near-duplicate"}
+    assert synthesize(engine, out, 3, "math", **run).kept == 3 and len(list(iter_samples(out))) == 3
+    assert synthesize(engine, out, 5, "math", **run).kept == 5
+    again = list(iter_samples(out))
+    assert [r["id"] for r in again[:3]] == [r["id"] for r in kept] and len({r["id"] for r in again}) == 5
+
+    answers = tmp_path / "answers"
+    regenerate(engine, answers, sources=prompt_sources(tmp_path), max_new_tokens=4, batch_size=4, progress=False)
+    samples = {s["id"]: s for s in iter_samples(answers)}
+    assert set(samples) == {r["id"] for r in again}
+    for r in again:
+        s = samples[r["id"]]
+        assert s["source"] == "synth-math" and s["prompt"] == r["turns"][0]
+        assert s["split"] == ("valid" if is_validation(r["id"]) else "train")
+
+
+def test_prompt_filters_and_near_duplicates():
+    from blockdraft.train.prompts import NearDuplicates, problem
+
+    fps = ["a prompt of an evaluation set, long enough to fingerprint"]
+    ok = "How do I reverse a linked list in Python without recursion?"
+    assert problem(ok, "stop", fps) is None
+    assert problem(ok, "length", fps) == "cut"
+    assert problem("Hi there", "stop", fps) == "short"
+    assert problem("assistant: Sure, here is the code you asked for", "stop", fps) == "role"
+    assert problem("Как мне развернуть связанный список на питоне?", "stop", fps) == "language"
+    assert problem("1 2 3 4 5 6 7 8 9 10 11 12 13 = ?", "stop", fps) == "language"
+    assert problem("tell me more " * 8, "stop", fps) == "repetitive"
+    assert problem("Please answer: A prompt of an evaluation set, long enough to fingerprint it.", "stop", fps) \
+        == "evaluation"
+    near = NearDuplicates(0.5)
+    near.add(ok)
+    assert near.similar("How do I reverse a linked list in Python without recursion, please?")
+    assert not near.similar("How do I sort a dictionary by its values in Python?")
+    assert not near.similar("Write a poem about the sea at night.")

@@ -43,10 +43,13 @@ def template_prefix_ids(tokenizer) -> list[int]:
     return os.path.commonprefix([chat_prompt_ids(tokenizer, "a"), chat_prompt_ids(tokenizer, "b")])
 
 
-def parse_mix(text: str | dict | None) -> dict[str, float]:
-    """`"sharegpt=3,math=1"` -> {"sharegpt": 3.0, "math": 1.0} (a bare name weighs 1)."""
+def parse_mix(text: str | dict | None, sources: dict | None = None) -> dict[str, float]:
+    """`"sharegpt=3,math=1"` -> {"sharegpt": 3.0, "math": 1.0} (a bare name weighs 1). `sources`:
+    the prompt sources by name (default `datasets.PROMPT_SOURCES`); without a mix, the built-in
+    mix, or every source equally where `sources` are not the built-in ones."""
+    sources = PROMPT_SOURCES if sources is None else sources
     if text is None:
-        return dict(DEFAULT_MIX)
+        return dict(DEFAULT_MIX) if sources is PROMPT_SOURCES else {name: 1.0 for name in sources}
     if isinstance(text, dict):
         mix = {k: float(v) for k, v in text.items()}
     else:
@@ -57,9 +60,9 @@ def parse_mix(text: str | dict | None) -> dict[str, float]:
                 mix[name.strip()] = float(weight) if weight else 1.0
             except ValueError:
                 raise BlockdraftError(f"--mix: {part!r} is not NAME=WEIGHT") from None
-    unknown = sorted(set(mix) - set(PROMPT_SOURCES))
+    unknown = sorted(set(mix) - set(sources))
     if unknown:
-        raise BlockdraftError(f"unknown prompt source(s) {', '.join(unknown)}; known: {', '.join(PROMPT_SOURCES)}")
+        raise BlockdraftError(f"unknown prompt source(s) {', '.join(unknown)}; known: {', '.join(sources)}")
     if not mix or any(w < 0 for w in mix.values()) or not any(w > 0 for w in mix.values()):
         raise BlockdraftError("--mix needs at least one source with a positive weight")
     return {k: w for k, w in mix.items() if w > 0}
@@ -82,13 +85,16 @@ def interleave(streams: dict[str, Iterable], weights: dict[str, float]) -> Itera
 
 
 def training_prompts(tokenizer, mix: dict[str, float] | str | None = None, max_prompt_tokens: int = 256,
-                     fingerprints: list[str] | None = None) -> Iterator[dict]:
+                     fingerprints: list[str] | None = None, sources: dict | None = None) -> Iterator[dict]:
     """Prompts to answer, lazily, in a fixed order: the sources of `mix` interleaved by weight,
     evaluation prompts excluded by fingerprint, prompts longer than `max_prompt_tokens` skipped.
-    A sample's split (train / valid) is a function of its id alone."""
-    mix = parse_mix(mix)
+    A sample's split (train / valid) is a function of its id alone. `sources`: name -> a callable
+    giving `{"id", "messages"}` records (default: `datasets.PROMPT_SOURCES`; self-written prompts
+    come from `prompts.prompt_sources`)."""
+    sources = PROMPT_SOURCES if sources is None else sources
+    mix = parse_mix(mix, sources)
     fps = eval_fingerprints() if fingerprints is None else fingerprints
-    for source, rec in interleave({name: PROMPT_SOURCES[name]() for name in mix}, mix):
+    for source, rec in interleave({name: sources[name]() for name in mix}, mix):
         messages = rec["messages"]
         if any(m["role"] == "user" and contaminated(m["content"], fps) for m in messages):
             continue
@@ -323,8 +329,9 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
                sampling: AnswerSampling = AnswerSampling(), answers_per_prompt: int = 1, method: str = "ar",
                seconds: float | None = None, until=None, progress: bool = True, concurrency: int = 64,
-               share_prefix: bool = True) -> RegenStats:
+               share_prefix: bool = True, sources: dict | None = None) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
+    `sources`: the prompt sources `mix` names (default: the built-in ones; see `training_prompts`).
 
     `sampling`: greedy by default; sampled answers take `answers_per_prompt` answers of every
     prompt, each seeded by its own id (`answer_id`), an answer identical to one already kept for
@@ -351,7 +358,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         tidy_shards(out)
         dedup = AnswerDeduper(out, iter_samples(out))
         done = dedup.written | dedup.dropped
-        stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens)
+        stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, sources=sources)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
         todo = (p for p in answer_copies(stream, answers_per_prompt) if p["id"] not in done)
