@@ -230,8 +230,37 @@ def cmd_train(args) -> int:
     from .train.trainer import TrainConfig, Trainer
 
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    Trainer(cfg, resume=args.resume).run()
+    settings = {k: v for k, v in vars(args).items() if k in names}
+    resume = args.resume
+    if args.resume_from:
+        # the run's settings are the position's; only what a resume may change comes from the flags given
+        import shutil
+        from pathlib import Path
+
+        src = Path(args.resume_from)
+        if not (src / "state.json").is_file() or not (src / "drafter").is_dir():
+            raise BlockdraftError(f"--resume-from: {src} holds no training position (state.json + drafter/, "
+                                  "written by --position-dir or a checkpoint)")
+        state = json.loads((src / "state.json").read_text())
+        given = {a.split("=")[0][2:].replace("-", "_") for a in args.argv if a.startswith("--")}
+        refused = sorted(given & names - set(Trainer.SKIP_ON_RESUME))
+        if refused:
+            raise BlockdraftError(f"--resume-from: the run's settings come from {src}/state.json; "
+                                  f"--{', --'.join(n.replace('_', '-') for n in refused)} cannot change on a resume")
+        settings = {**{k: v for k, v in state["config"].items() if k in names},
+                    **{k: settings[k] for k in given & set(Trainer.SKIP_ON_RESUME)}}
+        ck = Path(settings["out"]) / "checkpoint"
+        mine = json.loads((ck / "state.json").read_text())["step"] if (ck / "state.json").is_file() else -1
+        if mine < state["step"]:
+            if ck.exists():
+                shutil.rmtree(ck)
+            shutil.copytree(src, ck)
+            print(f"train: resuming {src} (step {state['step']}) in {ck}", file=sys.stderr)
+        resume = True
+    elif not settings.get("data"):
+        raise BlockdraftError("train needs --data (a folder of regenerated samples) or --resume-from")
+    cfg = TrainConfig(**settings)
+    Trainer(cfg, resume=resume, position_dir=args.position_dir).run()
     return 0
 
 
@@ -443,7 +472,17 @@ def main(argv: list[str] | None = None) -> int:
 
     t = sub.add_parser("train", help="train a DFlash drafter on regenerated data (torchrun for DDP)")
     _add_train_args(t)
+    for action in t._actions:  # --resume-from takes the data folder from the position
+        if action.dest == "data":
+            action.required = False
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint, bit for bit")
+    t.add_argument("--position-dir", metavar="DIR",
+                   help="at every checkpoint also write the weights and schedule position to DIR, without the "
+                        "optimizer state: small enough to commit, so that another machine continues the run")
+    t.add_argument("--resume-from", metavar="DIR",
+                   help="continue the run whose position DIR holds (a --position-dir folder or a checkpoint) in "
+                        "--out: its settings are DIR's; --max-steps, --data, --out, --feature-cache, --eval-every "
+                        "and --save-every may be given; without optimizer state AdamW's moments start anew")
     t.set_defaults(func=cmd_train)
 
     b = sub.add_parser("bench", help="compare methods side by side (tau, tokens/s, speedup)")
@@ -528,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # which flags were given (train --resume-from)
     try:
         return args.func(args)
     except BlockdraftError as exc:

@@ -666,3 +666,35 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
     # Shipped again (say with a new bench run), the card still names the first run as the start.
     ship_drafter.ship(args, tmp_path / "warm", arch)
     assert (dest / "README.md").read_text() == warm
+
+
+def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, tmp_path):
+    """`--position-dir` writes the weights and the schedule position without the optimizer state;
+    `train --resume-from` continues from it: from a full checkpoint bit for bit as the straight
+    run, from the position alone with the same schedule (learning rates, steps) and AdamW's
+    moments rebuilt; the run's settings cannot be changed on the way."""
+    from blockdraft.cli import main
+
+    root = tiny_corpus[0]
+    straight = Trainer(tiny_config(root, tmp_path / "straight", max_steps=12))
+    straight.run()
+    half = Trainer(tiny_config(root, tmp_path / "half", max_steps=12), position_dir=tmp_path / "committed")
+    half.run(until=6)
+    position = tmp_path / "committed"
+    assert not (position / "optimizer.pt").exists() and (tmp_path / "half" / "checkpoint" / "optimizer.pt").exists()
+    assert json.loads((position / "state.json").read_text())["step"] == 6
+    a, b = drafter_weights(position / "drafter"), drafter_weights(tmp_path / "half" / "checkpoint" / "drafter")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    assert main(["train", "--resume-from", str(tmp_path / "half" / "checkpoint"), "--out", str(tmp_path / "full")]) == 0
+    a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "full" / "drafter")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # with the optimizer state: bit for bit
+
+    assert main(["train", "--resume-from", str(position), "--out", str(tmp_path / "moved")]) == 0
+    ref = [json.loads(l) for l in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(l) for l in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(7, 13))
+    assert [r["lr"] for r in got] == [r["lr"] for r in ref[6:]]
+    c = drafter_weights(tmp_path / "moved" / "drafter")
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # the moments were rebuilt, so not bit for bit
+    assert main(["train", "--resume-from", str(position), "--out", str(tmp_path / "x"), "--lr", "1.0"]) == 2

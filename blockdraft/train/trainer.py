@@ -238,8 +238,13 @@ def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, position_dir: str | Path | None = None):
+        """`resume`: continue from OUT/checkpoint (bit for bit where it holds the optimizer state;
+        from a position without it, the optimizer's moments start anew). `position_dir`: at every
+        checkpoint also write the weights and the schedule position there, without the optimizer
+        state (a folder small enough to commit; `blockdraft train --resume-from` continues it)."""
         self.cfg = cfg
+        self.position_dir = Path(position_dir) if position_dir else None
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         if self.world > 1 and not torch.distributed.is_initialized():
@@ -518,26 +523,37 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------
 
+    SKIP_ON_RESUME = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache")  # may change
+
+    def write_position(self, folder: Path):
+        """The drafter's weights and where the run stands (step, tokens, wall time, settings)."""
+        self.drafter.save(folder / "drafter")
+        (folder / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
+                                                       "elapsed": self.elapsed + time.perf_counter() - self._t0,
+                                                       "threads": torch.get_num_threads(), "processes": self.world,
+                                                       "target_dtype": str(self.dtype).removeprefix("torch."),
+                                                       "config": asdict(self.cfg)}, indent=2))
+
     def save_checkpoint(self):
         if self.rank != 0:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".checkpoint.", dir=self.out))
-        self.drafter.save(tmp / "drafter")
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
-                                                    "elapsed": self.elapsed + time.perf_counter() - self._t0,
-                                                    "threads": torch.get_num_threads(), "processes": self.world,
-                                                    "target_dtype": str(self.dtype).removeprefix("torch."),
-                                                    "config": asdict(self.cfg)}, indent=2))
-        final = self.out / "checkpoint"
-        old = None
-        if final.exists():
-            old = self.out / f".checkpoint.old.{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        targets = [(self.out, "checkpoint", True)]
+        if self.position_dir is not None:
+            targets.append((self.position_dir.parent, self.position_dir.name, False))
+        for parent, name, with_optimizer in targets:  # each replaced atomically
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
+            self.write_position(tmp)
+            if with_optimizer:
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            final = parent / name
+            old = None
+            if final.exists():
+                old = parent / f".{name}.old.{os.getpid()}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _init_from_folder(self, folder: Path):
         """Warm start from a saved drafter of the same shape (e.g. the shipped one): its weights
@@ -558,7 +574,7 @@ class Trainer:
         ck = self.out / "checkpoint"
         state = json.loads((ck / "state.json").read_text())
         defaults = asdict(TrainConfig(data="", out=""))  # settings added since the checkpoint was made
-        skip = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache")
+        skip = self.SKIP_ON_RESUME
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
         now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
         if saved != now:
@@ -566,7 +582,11 @@ class Trainer:
             raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
         loaded = type(self.drafter).load(ck / "drafter", self.device, torch.float32)
         self.drafter.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
+        if (ck / "optimizer.pt").is_file():
+            self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
+        elif self.rank == 0:
+            print(f"train: {ck} holds no optimizer state (a committed position): AdamW's moments start anew at "
+                  f"step {state['step']}; the schedule, data order and anchors continue", file=sys.stderr)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         self.elapsed = state.get("elapsed", 0.0)
