@@ -32,6 +32,9 @@ class Request:
     # Called with the row's generated ids after each step; returns how many of them to
     # keep if a stop condition (e.g. a stop string) is met, else None.
     stop_check: Callable[[list[int]], int | None] | None = None
+    # Record the target's log-probabilities of the generated tokens, with this many most likely
+    # alternatives per token (None: none are computed; see `SequenceState.logprobs`).
+    logprobs: int | None = None
 
 
 @dataclass
@@ -41,6 +44,10 @@ class SequenceState:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     accepted_per_step: list[tuple[int, int]] = field(default_factory=list)  # (drafts accepted, drafted)
     error: str | None = None  # why this row alone was stopped (finish_reason "error")
+    # With `Request.logprobs`: per output token, (its log-probability, [(token id, log-probability)
+    # of the most likely tokens, most likely first]) under the target's raw logits (temperature 1,
+    # before top-p / top-k), aligned with `output_ids`.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -83,6 +90,26 @@ def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
     if not state.finished and len(state.output_ids) >= req.max_new_tokens:
         state.finish_reason = "length"
     return kept
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[list[tuple]]:
+    """Log-probabilities of `tokens` [N, T] under `logits` [N, T, V] (log-softmax in float32), and
+    row n's `tops[n]` most likely tokens at each position: per row, per position,
+    (log-probability, [(token id, log-probability), ...] most likely first)."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = scores.gather(-1, tokens[..., None])[..., 0].tolist()
+    k = max(tops)
+    if k:
+        values, ids = scores.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    return [[(chosen[n][t], list(zip(ids[n][t][:k_n], values[n][t][:k_n])) if k_n else [])
+             for t in range(len(chosen[n]))] for n, k_n in enumerate(tops)]
+
+
+def _keep_logprobs(state: SequenceState, scores: list[tuple], before: int):
+    """Append the scores of the tokens `_emit` kept (the row had `before` output ids)."""
+    state.logprobs.extend(scores[: max(0, len(state.output_ids) - before)])
+    del state.logprobs[len(state.output_ids):]
 
 
 def check_requests(target: Transformer, requests: list[Request], block_size: int) -> int:
@@ -330,11 +357,21 @@ class DecodeLoop:
         if shared and features is not None:
             features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
-        first = self._sample(self.target.logits(last)[:, None], lengths[:, None], rows)[0][:, 0]
+        logits = self.target.logits(last)[:, None]
+        first = self._sample(logits, lengths[:, None], rows)[0][:, 0]
+        want = [i for i, r in enumerate(reqs) if r.logprobs is not None and not self.states[first_slot + i].error]
+        scored = {}
+        if want:  # only rows that asked pay for log-probabilities
+            at = torch.tensor(want, device=device)
+            scored = dict(zip(want, token_logprobs(logits[at], first[at][:, None], [reqs[i].logprobs for i in want])))
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
-        return {key: [] if state.error else _emit(req, state, [int(t)])
-                for (_, (key, req, state)), t in zip(run, first.tolist())}
+        out = {}
+        for i, ((_, (key, req, state)), t) in enumerate(zip(run, first.tolist())):
+            out[key] = [] if state.error else _emit(req, state, [int(t)])
+            if i in scored and not state.error:
+                _keep_logprobs(state, scored[i], 0)
+        return out
 
     def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict]:
         """The target's tokens for rows `rows`, and {request key: error} for the rows stopped here.
@@ -355,6 +392,22 @@ class DecodeLoop:
                 self.states[b].error, self.states[b].finish_reason = why, "error"
                 self.params[b] = SamplingParams(0.0)
             return sample_tokens(logits, positions, self.params[rows]), {self.keys[b]: why for b, why in bad}
+
+    def _logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, path: torch.Tensor | None,
+                  accepted: list[int], scoring: list[int]) -> dict[int, list[tuple]]:
+        """The scores (`token_logprobs`) of the tokens rows `scoring` emit this step: row b's
+        accepted drafts and bonus token are the target's own tokens at its first accepted[b] + 1
+        verified positions (chain) or at the nodes of its accepted path (tree)."""
+        at = torch.tensor(scoring, device=logits.device)
+        width = max(accepted[b] for b in scoring) + 1
+        if path is None:
+            rows_logits, tokens = logits[at, :width], target_ids[at, :width]
+        else:
+            nodes = path[at, :width]
+            rows_logits = logits[at].gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[-1]))
+            tokens = target_ids[at].gather(1, nodes)
+        scores = token_logprobs(rows_logits, tokens, [self.requests[b].logprobs for b in scoring])
+        return {b: s[: accepted[b] + 1] for b, s in zip(scoring, scores)}
 
     def sort_rows(self):
         """Put occupied rows first, longest first, free slots last (keys move with their rows)."""
@@ -401,7 +454,12 @@ class DecodeLoop:
         width = block.shape[1]  # the verified tokens: the pending one and the drafts
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
-        target_ids, failed = self._sample(self.target.logits(hidden), positions + 1, rows)
+        logits = self.target.logits(hidden)
+        target_ids, failed = self._sample(logits, positions + 1, rows)
+        scoring = [b for b in occupied if self.requests[b].logprobs is not None and not self.states[b].finished]
+        if not scoring:
+            logits = None  # (kept only for the rows that asked for log-probabilities)
+        path = None
         if tree is None:
             accepted, on_path = acceptance(drafts, target_ids), None
             bonus = target_ids.gather(1, accepted[:, None])[:, 0]
@@ -417,6 +475,7 @@ class DecodeLoop:
         self.costs.record(len(occupied), width, t2 - t1)
         self.proposer.verified(accepted, on_path, torch.tensor(live, device=device))
         accepted_list, bonus_list, drafts_list = accepted.tolist(), bonus.tolist(), drafts.tolist()
+        scored = self._logprobs(logits, target_ids, path, accepted_list, scoring) if scoring else {}
         drafted = width - 1
         new_ids, finished = {}, {}
         for b in occupied:
@@ -426,7 +485,10 @@ class DecodeLoop:
             a = accepted_list[b]
             state.acceptance_lengths.append(a + 1)
             state.accepted_per_step.append((a, drafted))
+            before = len(state.output_ids)
             new_ids[self.keys[b]] = _emit(req, state, drafts_list[b][:a] + [bonus_list[b]])
+            if b in scored:
+                _keep_logprobs(state, scored[b], before)
             finished[self.keys[b]] = state.finished
         # Finished and free rows stay frozen: recomputed at the same positions, harmlessly.
         active = torch.tensor([self.keys[b] is not None and not self.states[b].finished

@@ -4,6 +4,7 @@ The oracle for every greedy answer is offline `Engine.generate` on the same weig
 """
 
 import json
+import re
 import signal
 import threading
 import time
@@ -99,6 +100,202 @@ def test_openai_client_completions_chat_and_streaming(client, engine):
     assert a.choices[0].text == b.choices[0].text
     sampled = engine.generate(raw, method="dflash", max_new_tokens=12, temperature=1.0, seed=7, block_size=8)
     assert a.choices[0].text == sampled.text
+
+
+def test_openai_client_usage_chunk_and_error_classes(client, server):
+    """The official client: `stream_options.include_usage` gives a last chunk with no choices and
+    the same usage as the answer without streaming; a bad parameter, a wrong API key and an unknown
+    model come back as the client's BadRequestError, AuthenticationError and NotFoundError."""
+    import openai
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    whole = client.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-1].usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="smol", messages=messages, max_tokens=8, logprobs=True,
+                                       top_logprobs=21)
+    assert bad.value.status_code == 400 and bad.value.param == "top_logprobs"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+
+
+def test_logprobs_parameters_are_checked(server):
+    """`logprobs` / `top_logprobs` outside OpenAI's ranges or types get a 400 naming the field."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as OpenAI
+                         ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+                         ({"logprobs": 3}, "logprobs"), ({"logprobs": "yes"}, "logprobs")]:
+        r = post(server, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    for extra, param in [({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                         ({"logprobs": 2.5}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                         ({"logprobs": 2, "top_logprobs": 2}, "top_logprobs")]:
+        r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    off = post(server, "/v1/chat/completions", {**chat, "logprobs": False}).json()
+    assert off["choices"][0]["logprobs"] is None
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": None}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def shipped_server():
+    """The shipped DFlash drafter (it accepts several tokens per step), full blocks every step."""
+    s = ServerProcess("--speculation", "fixed", "--max-tokens", "32", "--max-batch", "4",
+                      "--served-model-name", "smol")
+    yield s
+    s.stop()
+
+
+def hf_log_softmax(hf_smol, prompt_ids, output_ids):
+    """HF transformers' own log-softmax at every generated position (the oracle)."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_smol(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1: -1]
+
+
+def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server, hf_smol, tokenizer):
+    """Greedy DFlash with several tokens accepted per verify step: every returned logprob (chat
+    with top_logprobs 3, legacy completions with logprobs 3) is HF's log-softmax over prompt +
+    generated tokens within 1e-4, the top tokens are HF's top 3 in order, the bytes add up to the
+    tokens' text, text_offset points into the text; a request beside it without logprobs gets
+    the same tokens as alone."""
+    url = shipped_server.url
+
+    def ask(path, body):
+        r = httpx.post(url + path, json={"temperature": 0, "max_tokens": 16, "return_token_ids": True, **body},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text_of(token_id):  # a whole-character token's text (None for part of a UTF-8 character)
+        text = tokenizer.decode([token_id])
+        return None if "\ufffd" in text else text
+
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    plain, out = {}, {}
+    beside = threading.Thread(target=lambda: plain.setdefault("r", ask("/v1/chat/completions",
+                                                                       {"messages": messages})))
+    beside.start()
+    out["chat"] = ask("/v1/chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 3})
+    beside.join()
+    chat = out["chat"]
+    ids = chat["choices"][0]["token_ids"]
+    assert plain["r"]["choices"][0]["token_ids"] == ids and plain["r"]["choices"][0]["logprobs"] is None
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids) == chat["usage"]["completion_tokens"] > 4
+    oracle = hf_log_softmax(hf_smol, chat["prompt_token_ids"], ids)
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == tokenizer.decode(ids)
+    for i, (tok, e) in enumerate(zip(ids, content)):
+        assert abs(e["logprob"] - oracle[i, tok].item()) < 1e-4, (i, e, oracle[i, tok])
+        values, top = oracle[i].topk(3)
+        assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the chosen token is the most likely
+        for t, want in zip(e["top_logprobs"], top.tolist()):
+            assert text_of(want) is None or t["token"] == text_of(want), (i, t, want)
+
+    prompt = "The three primary colours are"
+    done = ask("/v1/completions", {"prompt": prompt, "logprobs": 3})
+    ids, lp = done["choices"][0]["token_ids"], done["choices"][0]["logprobs"]
+    text = done["choices"][0]["text"]
+    oracle = hf_log_softmax(hf_smol, done["prompt_token_ids"], ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) > 4
+    for i, tok in enumerate(ids):
+        assert abs(lp["token_logprobs"][i] - oracle[i, tok].item()) < 1e-4
+        values, top = oracle[i].topk(3)
+        assert sorted(lp["top_logprobs"][i].values(), reverse=True) == pytest.approx(values.tolist(), abs=1e-4)
+        assert text_of(tok) is None or lp["tokens"][i] == text_of(tok)
+        end = lp["text_offset"][i + 1] if i + 1 < len(ids) else len(text)
+        if text_of(tok) is not None and tok not in tokenizer.all_special_ids:
+            assert text[lp["text_offset"][i]: end] == text_of(tok), i
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    metrics = httpx.get(url + "/metrics").text  # verify steps accepted two drafts and more
+    accepted = re.search(r'blockdraft_spec_accepted_tokens_total\{position="2"\} ([0-9.e+]+)', metrics)
+    assert accepted and float(accepted.group(1)) > 0
+
+
+def test_decode_loop_logprobs_on_tree_paths_and_rows_that_did_not_ask(hf_smol):
+    """In the loop itself, with the shipped drafter's trees (a path of several nodes accepted per
+    step): a row that asks gets HF's log-softmax and top 2 at each token; the row beside it, which
+    did not ask, gets no scores and exactly the tokens it gets in a batch where nobody asks."""
+    from blockdraft.decode import generate_steps
+
+    engine = Engine.load()
+    prompts = [engine.encode(p, chat=True) for p in ("Count to ten.", "Name three colours.")]
+
+    def run(ask):
+        rows = [engine.make_row(p, 12) for p in prompts]
+        rows[0].request.logprobs = 2 if ask else None
+        states, tree = [], engine.proposer("dflash-tree")
+        for _ in generate_steps(engine.target, tree, [r.request for r in rows], tree.default_block_size, states):
+            pass
+        return states
+
+    asked, plain = run(True), run(False)
+    assert plain[1].output_ids == asked[1].output_ids and asked[1].logprobs == [] == plain[0].logprobs
+    state = asked[0]
+    assert state.output_ids == plain[0].output_ids and max(state.acceptance_lengths) > 2
+    oracle = hf_log_softmax(hf_smol, prompts[0], state.output_ids)
+    assert len(state.logprobs) == len(state.output_ids)
+    for i, (tok, (logprob, top)) in enumerate(zip(state.output_ids, state.logprobs)):
+        values, ids = oracle[i].topk(2)
+        assert abs(logprob - oracle[i, tok].item()) < 1e-4 and [t for t, _ in top] == ids.tolist(), i
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_streamed_logprobs_add_up_to_the_answers_logprobs(shipped_server):
+    """Streamed chunks carry the logprobs of their tokens: concatenated, they equal the answer's
+    without streaming (official client for chat, raw events for completions)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=shipped_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    kw = {"model": "smol", "messages": [{"role": "user", "content": "Describe rain in one sentence."}],
+          "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**kw)
+    streamed, text, carrying = [], "", 0
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+                carrying += bool(c.logprobs.content)
+    assert text == whole.choices[0].message.content and carrying > 1
+    want = whole.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in want] and len(want) == whole.usage.completion_tokens
+    for a, b in zip(streamed, want):
+        assert a.bytes == b.bytes and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+
+    body = {"prompt": "def add(a, b):", "max_tokens": 20, "temperature": 0, "logprobs": 2}
+    whole = httpx.post(shipped_server.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text = ""
+    with httpx.stream("POST", shipped_server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["text"]
+                    for k, v in (c["logprobs"] or {}).items():
+                        joined[k] += v
+    assert text == whole["text"]
+    assert joined["tokens"] == whole["logprobs"]["tokens"]
+    assert joined["text_offset"] == whole["logprobs"]["text_offset"]
+    assert [sorted(d) for d in joined["top_logprobs"]] == [sorted(d) for d in whole["logprobs"]["top_logprobs"]]
+    assert joined["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-5)
 
 
 def _stream_chat(server, prompt, max_tokens, out, i):
@@ -227,7 +424,7 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
     check_streams(*streams)
     # features the server does not implement are refused, never ignored; the prompt's own field is named
     for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                  {"response_format": {"type": "json_object"}}, {"logprobs": True}, {"logit_bias": {"5": 1}}):
+                  {"response_format": {"type": "json_object"}}, {"best_of": 2}, {"logit_bias": {"5": 1}}):
         r = post(server, "/v1/chat/completions", {**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), extra
     for extra in ({"echo": True}, {"suffix": "x"}):
@@ -249,7 +446,7 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70
                        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
                                                                                  max_size=4), max_leaves=10)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n",
-          "max_completion_tokens", "top_k", "stream_options"]
+          "max_completion_tokens", "top_k", "stream_options", "logprobs", "top_logprobs"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
                                  "content": st.text(max_size=30) | JSONISH})
 BODY = st.dictionaries(st.sampled_from(FIELDS), JSONISH | st.lists(MESSAGE, max_size=3), max_size=6)
@@ -488,7 +685,6 @@ def test_a_burst_fills_the_free_batch_slots_before_the_waiting_queue(smol, token
 def test_client_disconnects_are_counted_as_499_and_the_server_goes_on(server, engine):
     """A client that sends half a body and leaves, and one that leaves while its request runs:
     both are counted (status 499 in /metrics), neither disturbs the next request."""
-    import re
     import socket
     from urllib.parse import urlparse
 

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import BlockdraftError
 from ..sampling import MAX_TOP_K
+from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
@@ -44,7 +45,8 @@ class ApiError(Exception):
 # fields of OpenAI's API this server does not implement, with the values that mean "not used"
 UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
-               "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1)}
+               "logit_bias": (None, {}), "best_of": (None, 1)}
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds: top_logprobs (chat), logprobs (legacy)
 
 
 class ClientGone(ApiError):
@@ -120,6 +122,7 @@ class Server:
         self.max_requests = max_requests  # HTTP requests handled at once (None: no cap); more get a JSON 503
         # the longest token's text (a byte-level token's string is at least as long as its text)
         self.max_token_chars = max(8, max((len(t) for t in engine.tokenizer.get_vocab()), default=8))
+        self.token_texts = TokenTexts(engine.tokenizer)  # tokens' text and bytes, for logprobs
         self.created = int(time.time())
 
     # ---- parsing -----------------------------------------------------------------------
@@ -172,10 +175,28 @@ class Server:
             if name in body and body[name] not in off:
                 raise ApiError(400, f"'{name}' is not supported by this server", name)
 
+    @staticmethod
+    def logprobs(body: dict, chat: bool) -> int | None:
+        """How many most likely alternatives to return per token (None: no logprobs). Chat:
+        `logprobs: true` with `top_logprobs` 0..20; legacy completions: `logprobs` 0..5."""
+        if not chat:
+            if body.get("top_logprobs") is not None:
+                raise ApiError(400, "'top_logprobs' is a chat completions field; legacy completions take "
+                                    "'logprobs': N", "top_logprobs")
+            top = MAX_TOP_LOGPROBS["completions"]
+            return _field(body, "logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+        on = _field(body, "logprobs", bool, False, what="a boolean")
+        top = MAX_TOP_LOGPROBS["chat"]
+        k = _field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+        if k is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (k or 0) if on else None
+
     def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages"):
         n = _field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
         del n
         self.unsupported(body)
+        logprobs = self.logprobs(body, chat=prompt_param == "messages")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this server's context is "
@@ -205,6 +226,7 @@ class Server:
             row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, _stops(body))
         except BlockdraftError as exc:
             raise ApiError(400, str(exc)) from None
+        row.request.logprobs = logprobs
         return row, stream, include_usage
 
     def completion_prompt(self, body: dict) -> list[int]:
@@ -398,11 +420,28 @@ def create_app(server: Server, start_scheduler: bool = True):
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": server.model_name}
 
-        def choice(delta: str, finish):
+        scoring = row.request.logprobs is not None
+        completion_logprobs = CompletionLogprobs(server.token_texts) if scoring and not chat else None
+
+        def logprobs(state, start: int):
+            """OpenAI's logprobs object for the output tokens from `start` scored so far."""
+            if not scoring:
+                return None
+            scores = state.logprobs[start:]  # (a copy: the scheduler thread may be appending)
+            ids = state.output_ids[start: start + len(scores)]
+            scores = scores[: len(ids)]
             if chat:
-                return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                return chat_logprobs(server.token_texts, ids, scores)
+            return completion_logprobs(ids, scores)
+
+        def count(lp) -> int:
+            return 0 if lp is None else len(lp["content"] if chat else lp["tokens"])
+
+        def choice(delta: str, finish, lp=None):
+            if chat:
+                return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                         "finish_reason": finish}
-            return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
 
         if stream:
             gen = server.run(request, row, endpoint)
@@ -413,7 +452,7 @@ def create_app(server: Server, start_scheduler: bool = True):
                 raise
 
             async def events():
-                handle = None
+                handle, scored = None, 0  # tokens whose logprobs were sent
                 try:
                     if chat:
                         yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -421,12 +460,17 @@ def create_app(server: Server, start_scheduler: bool = True):
                     item = first
                     while True:
                         delta, handle, ended = item
-                        if delta:
-                            yield _sse({**base, "choices": [choice(delta, None)]})
+                        if delta:  # with the logprobs of the tokens scored since the last chunk
+                            lp = logprobs(handle.state, scored)
+                            scored += count(lp)
+                            yield _sse({**base, "choices": [choice(delta, None, lp)]})
                         if ended:
                             break
                         item = await gen.__anext__()
-                    yield _sse({**base, "choices": [choice("", server.finish_reason(handle))]})
+                    # the last chunk: the finish reason (and the logprobs of tokens without text, if any)
+                    lp = logprobs(handle.state, scored)
+                    finish = server.finish_reason(handle)
+                    yield _sse({**base, "choices": [choice("", finish, lp if count(lp) else None)]})
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": server.usage(handle)})
                     yield "data: [DONE]\n\n"
@@ -453,11 +497,12 @@ def create_app(server: Server, start_scheduler: bool = True):
             raise
         server.metrics.observe_request(endpoint, 200, handle)
         finish = server.finish_reason(handle)
+        lp = logprobs(handle.state, 0)
         if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                         "finish_reason": finish}]
         else:
-            choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+            choices = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]
         reply = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                  "model": server.model_name, "choices": choices, "usage": server.usage(handle)}
         if return_ids:  # as vLLM: the exact tokens (a stop token included), for training-data regeneration
