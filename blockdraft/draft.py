@@ -68,6 +68,9 @@ class DraftConfig:
     # query at position q sees context keys at positions > q - sliding_window (and its block)
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # rank of the Markov head (DSpark's first-order correction: each draft position's logits get
+    # W2 W1[previous token]); 0: none, a plain DFlash drafter
+    markov_rank: int = 0
     extra: dict = field(default_factory=dict)  # unknown config keys, written back unchanged
 
     def __post_init__(self):
@@ -95,7 +98,7 @@ class DraftConfig:
     def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int, target_layer_ids: list[int] | None = None,
                    intermediate_size: int | None = None, sliding_window: int | None = None,
-                   full_layers: list[int] | None = None) -> "DraftConfig":
+                   full_layers: list[int] | None = None, markov_rank: int = 0) -> "DraftConfig":
         """A drafter shaped like the target's layers (the published recipe). With
         `sliding_window`, every layer not in `full_layers` is a sliding-window layer."""
         ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
@@ -123,6 +126,7 @@ class DraftConfig:
             max_position_embeddings=target.max_position_embeddings,
             layer_types=types,
             sliding_window=sliding_window if types else None,
+            markov_rank=markov_rank,
         )
 
     @classmethod
@@ -133,7 +137,9 @@ class DraftConfig:
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
             theta, scaling = rope_settings(raw, 1e6)
-            known = set(PUBLISHED_KEYS) | {"rope_parameters"}
+            known = set(PUBLISHED_KEYS) | set(MARKOV_KEYS) | {"rope_parameters"}
+            if raw.get("markov_head_type", "vanilla") != "vanilla":
+                raise BlockdraftError(f"Markov head type {raw['markov_head_type']!r}: only 'vanilla' is supported")
             sliding = "sliding_attention" in (raw.get("layer_types") or ())
             return cls(
                 hidden_size=raw["hidden_size"],
@@ -154,6 +160,7 @@ class DraftConfig:
                 attention_bias=bool(raw.get("attention_bias", False)),
                 layer_types=list(raw["layer_types"]) if sliding else None,
                 sliding_window=raw.get("sliding_window") if sliding else None,
+                markov_rank=int(raw.get("markov_rank") or 0),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except KeyError as exc:
@@ -195,10 +202,16 @@ class DraftConfig:
             "use_sliding_window": self.sliding_window is not None,
             "vocab_size": self.vocab_size,
         }
+        if self.markov_rank:  # DSpark's keys; blocks keep DFlash's layout (the anchor slot drafts nothing)
+            out.update({"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "sample_from_anchor": False,
+                        "enable_confidence_head": False})
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
 
+
+# the config.json keys of a Markov head (DSpark's names)
+MARKOV_KEYS = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
 
 # the config.json keys of the authors' published drafters (`export` writes these and nothing else)
 PUBLISHED_KEYS = (
@@ -308,6 +321,21 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MarkovHead(nn.Module):
+    """DSpark's vanilla Markov head: a rank-r first-order correction of a draft position's
+    logits by the token before it, bias = W2 W1[previous token] (W1: every target token id ->
+    r numbers; W2: r -> the drafter's vocabulary, the draft vocabulary where it has one)."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def forward(self, previous: torch.Tensor) -> torch.Tensor:
+        """Logit corrections [..., V'] for previous target token ids [...]."""
+        return self.markov_w2(self.markov_w1(previous))
+
+
 class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
@@ -373,13 +401,42 @@ class DrafterBase(nn.Module):
         vocab = getattr(self, "draft_vocab", None)
         return ids if vocab is None else vocab[ids]
 
-    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Greedy draft token ids (target ids) from final hidden states [..., H]."""
+    def markov_chain(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: torch.Tensor):
+        """The Markov head's greedy chain over a block's positions, left to right: position k's
+        logits get the correction for the token drafted at k - 1 (`previous` [B], the last
+        committed token, before the first). Returns (tokens [B, n] target ids, the logits [B, n, V'])."""
+        base = self.draft_logits(hidden, lm_head_weight)
+        out, tokens = [], []
+        for k in range(base.shape[1]):
+            logits = base[:, k] + self.markov_head(previous).to(base.dtype)
+            previous = self.to_target_ids(logits.argmax(-1))
+            out.append(logits)
+            tokens.append(previous)
+        if not tokens:
+            return previous.new_zeros(previous.shape[0], 0), base
+        return torch.stack(tokens, 1), torch.stack(out, 1)
+
+    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                     previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy draft token ids (target ids) from final hidden states [..., H] (a block's
+        [B, n, H] with `previous` [B], the token before it, where the drafter has a Markov head)."""
+        if getattr(self, "markov_head", None) is not None and previous is not None:
+            return self.markov_chain(hidden, lm_head_weight, previous)[0]
         return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
 
-    def draft_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int):
+    def draft_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int,
+                         previous: torch.Tensor | None = None):
         """The k most probable draft tokens (target ids) at each position and their
-        probabilities, most probable first: ([..., k], [..., k])."""
+        probabilities, most probable first: ([..., k], [..., k]). With a Markov head (and the
+        token before the block, `previous`) only the chain: k = 1, each position's probabilities
+        given the token drafted before it."""
+        if getattr(self, "markov_head", None) is not None and previous is not None:
+            if k != 1:
+                raise BlockdraftError("a drafter with a Markov head drafts a chain (each position depends on the "
+                                      "token before it); tree drafting (dflash-tree) needs a plain DFlash drafter")
+            tokens, logits = self.markov_chain(hidden, lm_head_weight, previous)
+            probs = torch.softmax(logits.float(), dim=-1).max(-1).values
+            return tokens[..., None], probs[..., None]
         probs = torch.softmax(self.draft_logits(hidden, lm_head_weight).float(), dim=-1)
         top = probs.topk(k, dim=-1)
         return self.to_target_ids(top.indices), top.values
@@ -412,7 +469,10 @@ class DFlashDrafter(DrafterBase):
         self.context_layers = cfg.num_hidden_layers if mode == "kv" else 1
         # Optional draft vocabulary (blockdraft extension, as in EAGLE-3): the drafter scores
         # only these target token ids, which makes its LM head (the bulk of its cost) smaller.
-        self.register_draft_vocab(cfg.extra.get("blockdraft", {}).get("draft_vocab_size"))
+        draft_vocab = cfg.extra.get("blockdraft", {}).get("draft_vocab_size")
+        self.register_draft_vocab(draft_vocab)
+        self.markov_head = (MarkovHead(cfg.vocab_size, draft_vocab or cfg.vocab_size, cfg.markov_rank)
+                            if cfg.markov_rank else None)
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
                 context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,

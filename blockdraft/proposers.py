@@ -104,6 +104,9 @@ class DFlashProposer(Proposer):
         self.mask_token_id = drafter.config.mask_token_id
         self.cut, self.top_k = cut, top_k
         if top_k > 1:
+            if drafter.markov_head is not None:
+                raise BlockdraftError("this drafter has a Markov head: each draft depends on the token drafted "
+                                      "before it, so it drafts chains (dflash, dflash-cut), not trees")
             if target.attention_chunk:
                 raise BlockdraftError(
                     "tree verification needs float32 target weights: with quantized weights a token "
@@ -166,8 +169,8 @@ class DFlashProposer(Proposer):
         if hidden is None:  # speculation switched off for this step: the context is still kept
             return last_tokens.new_zeros(last_tokens.shape[0], 0)
         if not self.cut:
-            return self.drafter.draft_tokens(hidden, self.target.lm_head.weight)
-        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, 1)
+            return self.drafter.draft_tokens(hidden, self.target.lm_head.weight, last_tokens)
+        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, 1, last_tokens)
         tokens, probs = tokens[..., 0], probs[..., 0]
         scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
         self.mean_scores = scores.mean(0)

@@ -298,3 +298,37 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
         snaps.append(features[:, :len(prefix)].clone())
     scale = snaps[1].abs().amax(-1, keepdim=True)  # a token's features span 1e-1..1e4: compare per token
     assert scale.amin() > 0.1 and ((snaps[0] - snaps[1]).abs() / scale).amax() < 1e-5
+
+
+def test_a_markov_head_drafts_a_chain_on_the_token_before_and_decoding_stays_exact(smol, chat_ids, ours_greedy):
+    """A DFlash drafter with a (DSpark-style) Markov head: each draft position's logits are the
+    backbone's plus W2 W1[the token drafted before it] (the last committed token before the
+    first), greedy left to right; the decode loop's output stays the target's own greedy text."""
+    from blockdraft.models.default import DEFAULT_MASK_TOKEN_ID
+
+    torch.manual_seed(7)
+    cfg = DraftConfig.for_target(smol.config, num_layers=1, block_size=8, mask_token_id=DEFAULT_MASK_TOKEN_ID,
+                                 markov_rank=16)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.reset_parameters()
+    with torch.no_grad():  # a strong head, so that the chain's tokens depend on it
+        drafter.markov_head.markov_w1.weight.mul_(40)
+        drafter.markov_head.markov_w2.weight.mul_(40)
+    hidden = torch.randn(3, 7, smol.config.hidden_size)
+    previous = torch.tensor([5, 900, 17])
+    head = smol.lm_head.weight
+    tokens = drafter.draft_tokens(hidden, head, previous)
+    base = torch.nn.functional.linear(hidden, head)
+    prev = previous
+    for k in range(7):  # the chain by hand
+        want = (base[:, k] + drafter.markov_head(prev)).argmax(-1)
+        assert torch.equal(tokens[:, k], want)
+        prev = want
+    assert not torch.equal(tokens, base.argmax(-1))  # the head changed drafts
+    (got, probs) = drafter.draft_candidates(hidden, head, 1, previous)
+    assert torch.equal(got[..., 0], tokens) and bool((probs > 0).all() and (probs <= 1).all())
+    with pytest.raises(BlockdraftError, match="chain"):
+        drafter.draft_candidates(hidden, head, 2, previous)
+    states = run(smol, DFlashProposer(drafter, smol), chat_ids[:4], 8)
+    for ids, out, ours in zip(chat_ids, states, ours_greedy):
+        assert out.output_ids == ours

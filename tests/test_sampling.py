@@ -78,6 +78,19 @@ def test_dflash_samples_follow_the_target_distribution(tiny, params):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
 
 
+def test_a_markov_head_drafter_samples_follow_the_target_distribution(tiny):
+    """Drafts of a Markov-head chain (each on the token drafted before it): exact all the same."""
+    hf, target, _ = tiny
+    torch.manual_seed(6)
+    cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=4, mask_token_id=5, markov_rank=4)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.reset_parameters(1.0)  # a head strong enough to decide drafts
+    params = SamplingParams(1.0)
+    dist = exact_distribution(hf, params)
+    stat, critical = chi_square(dist, sample_counts(target, DFlashProposer(drafter, target), params))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8 CPU kernel")
 def test_an_int8_drafter_samples_follow_the_target_distribution(tiny):
     """Draft probabilities from int8 weights are other probabilities, used consistently: the

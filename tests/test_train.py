@@ -698,3 +698,34 @@ def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, 
     c = drafter_weights(tmp_path / "moved" / "drafter")
     assert not all(torch.equal(a[k], c[k]) for k in a)  # the moments were rebuilt, so not bit for bit
     assert main(["train", "--resume-from", str(position), "--out", str(tmp_path / "x"), "--lr", "1.0"]) == 2
+
+
+def test_a_markov_head_trains_warm_starts_from_a_plain_drafter_and_saves_round_trip(tiny_corpus, tmp_path):
+    """--markov-rank: the Markov head trains with the backbone (teacher-forced on the previous
+    answer token), the teacher-forced acceptance agrees with the decode loop's chain on an
+    overfit drafter, the folder carries DSpark's keys and loads back equal, and a plain
+    drafter's weights warm-start it (the head starts fresh)."""
+    root, _, prompts, _ = tiny_corpus
+    plain = Trainer(tiny_config(root, tmp_path / "plain", max_steps=2))
+    plain.run()
+    cfg = tiny_config(root, tmp_path / "markov", max_steps=200, save_every=10_000, log_every=50, markov_rank=8,
+                      init_from=str(tmp_path / "plain" / "drafter"))
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    saved = drafter_weights(tmp_path / "plain" / "drafter")
+    assert all(torch.equal(before[k], saved[k]) for k in saved)  # warm start: the backbone's weights
+    trainer.run()
+    raw = json.loads((tmp_path / "markov" / "drafter" / "config.json").read_text())
+    assert (raw["markov_rank"], raw["markov_head_type"], raw["sample_from_anchor"]) == (8, "vanilla", False)
+    drafter = DFlashDrafter.load(tmp_path / "markov" / "drafter")
+    mine = trainer.drafter.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in drafter.state_dict().items())
+    assert not torch.equal(mine["markov_head.markov_w2.weight"], before["markov_head.markov_w2.weight"])
+    states = []
+    list(generate_steps(trainer.target, DFlashProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]],
+                        4, states))
+    lengths = [a for s in states for a in s.acceptance_lengths]
+    tau = sum(lengths) / len(lengths)
+    assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
+    blocks = trainer.evaluate_blocks(16)
+    assert abs(blocks["tau_blocks"] - tau) < 0.3, (blocks, tau)

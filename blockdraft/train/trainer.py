@@ -75,6 +75,8 @@ class TrainConfig:
     min_lr_frac: float = _opt(0.0, "the schedule's floor, as a fraction of --lr")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     grad_clip: float = _opt(1.0, "gradient norm clipping (0: none)")
+    markov_rank: int = _opt(0, ">0: a DSpark-style Markov head of this rank on the DFlash drafter (each draft "
+                               "position's logits corrected by the token before it; 256 in DSpark)")
     distill: float = _opt(0.0, "weight of the soft-label loss (the target's own distribution); 0: hard labels only")
     dtype: str = _opt("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
     init_from: str | None = _opt(None, "start from this drafter folder's weights (e.g. the shipped drafter); "
@@ -113,18 +115,26 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 REMAT_LOGITS_ABOVE = 1 << 26  # logits elements of a step (256 MB in fp32)
 
 
+def previous_tokens(batch) -> torch.Tensor:
+    """[N, A*B]: the sequence's token just before each block position (teacher forcing: what a
+    Markov head conditions on when every earlier draft of the block was right)."""
+    return batch.tokens.gather(1, (batch.block_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
+
+
 def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
-                  teacher=None, distill: float = 0.0):
+                  teacher=None, distill: float = 0.0, markov=None):
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
     `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
     not in it; such labels count as misses and carry no hard-label loss). `teacher` [same
     shape as hidden]: the target's final hidden states that predict each label; with
     `distill` > 0 the loss mixes in the cross-entropy against the target's distribution over
-    the scored vocabulary: (1 - distill) * hard + distill * soft. Returns (loss, per-offset
-    correct counts, per-offset totals), all on the hidden states' device."""
+    the scored vocabulary: (1 - distill) * hard + distill * soft. `markov`: (a Markov head, the
+    token before each position [same shape as labels]): its correction is added to the logits.
+    Returns (loss, per-offset correct counts, per-offset totals), all on the hidden states' device."""
     keep = labels != IGNORE
     h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
+    head_bias, prev = (markov[0], markov[1][keep]) if markov is not None else (None, None)
     t = teacher[keep] if teacher is not None and distill > 0 else None
     w_hard = w
     if to_draft is not None:
@@ -140,8 +150,10 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     for s in range(0, h.shape[0], chunk):
         part_slice = slice(s, s + chunk)
 
-        def part(hc, tc=None, yc=y[part_slice]):
+        def part(hc, tc=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
             logits = F.linear(hc, lm_head_weight).float()
+            if pc is not None:
+                logits = logits + head_bias(pc).float()
             ce = F.cross_entropy(logits, yc, reduction="none")
             if tc is None:
                 return ce, logits.argmax(-1)
@@ -268,7 +280,8 @@ class Trainer:
         draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
                                            block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                            target_layer_ids=cfg.target_layer_ids,
-                                           sliding_window=cfg.sliding_window, full_layers=cfg.full_layers)
+                                           sliding_window=cfg.sliding_window, full_layers=cfg.full_layers,
+                                           markov_rank=cfg.markov_rank)
         # what the published format cannot say: the longest context trained on (the default
         # --draft-window when decoding), an ablation's context mode, a draft vocabulary
         ours = {"train_context": cfg.max_seq_len}
@@ -294,6 +307,8 @@ class Trainer:
             self.drafter = DFlashDrafter(draft_cfg).to(self.device)
         else:
             raise BlockdraftError(f"--arch must be dflash or eagle3, not {cfg.arch!r}")
+        if cfg.markov_rank and cfg.arch != "dflash":
+            raise BlockdraftError("--markov-rank adds a Markov head to a DFlash drafter (--arch dflash)")
         self.drafter.reset_parameters()
         if cfg.init != "random":
             init_from_target(self.drafter, self.target, cfg.init)
@@ -388,7 +403,7 @@ class Trainer:
             loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
                                                  batch.labels.to(dev), batch.weights.to(dev),
                                                  batch.offsets.to(dev), cfg.block_size, cfg.lm_head_chunk,
-                                                 self.to_draft, teacher, cfg.distill)
+                                                 self.to_draft, teacher, cfg.distill, self.markov_inputs(batch))
         lr = lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -403,6 +418,11 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": loss.detach(), "lr": lr, "grad_norm": grad_norm.detach(),
                 "correct": correct, "count": count, "tokens": int(batch.lengths.sum())}
+
+    def markov_inputs(self, batch):
+        """(the drafter's Markov head, the token before each block position) or None."""
+        head = getattr(self.drafter, "markov_head", None)
+        return None if head is None else (head, previous_tokens(batch).to(self.device))
 
     @staticmethod
     def host_record(record: dict) -> dict:
@@ -502,8 +522,11 @@ class Trainer:
             labels = batch.labels.to(dev)
             if self.to_draft is not None:
                 labels = torch.where(labels >= 0, self.to_draft[labels.clamp(min=0)], labels)
+            markov = self.markov_inputs(batch)
             for row in range(hidden.shape[0]):  # one row's logits at a time (full vocabularies are large)
                 logits = F.linear(hidden[row].to(head.dtype), head).float()  # bf16 head: hidden is fp32
+                if markov is not None:  # teacher-forced: exact up to a block's first wrong draft
+                    logits = logits + markov[0](markov[1][row]).float()
                 y = labels[row]
                 scored = y >= 0  # labelled and (with a draft vocabulary) in it
                 right = (logits.argmax(-1) == y) & scored
@@ -562,6 +585,9 @@ class Trainer:
             raise BlockdraftError(f"--init-from: no drafter in {folder} (expected config.json + model.safetensors)")
         loaded = type(self.drafter).load(folder, self.device, torch.float32)
         mine, theirs = self.drafter.state_dict(), loaded.state_dict()
+        # a Markov head the saved drafter lacks starts fresh (DFlash weights -> a DSpark-style drafter)
+        fresh = {k: v for k, v in mine.items() if k.startswith("markov_head.") and k not in theirs}
+        theirs = {**theirs, **fresh}
         bad = sorted(k for k in set(mine) | set(theirs)
                      if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
         if bad:
