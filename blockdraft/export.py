@@ -8,6 +8,13 @@ and weight names and nothing else. Without its draft vocabulary the drafter scor
 vocabulary with the target's LM head, as the engines do: the target's output is unchanged
 (verification decides every token), but a draft may now pick a token the training vocabulary
 left out, so τ can change (the README measures it).
+
+A drafter with a Markov head is written in DSpark's layout (DeepSpec's names and keys:
+`Qwen3DSparkModel`, `markov_head.markov_w1/w2`, `markov_rank`, top-level `mask_token_id` and
+`target_layer_ids`) with `sample_from_anchor: false`, since our blocks draft from the slot after
+the anchor: llama.cpp's converter reads that key (draft-dspark), vLLM's DSpark loader too;
+SGLang's refuses anchor-after layouts. W2's draft-vocabulary rows are spread over the whole
+vocabulary (zeros elsewhere), as the rest of the drafter scores it.
 """
 
 from __future__ import annotations
@@ -49,14 +56,30 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
+    if cfg.markov_rank:
+        config.update({"architectures": ["Qwen3DSparkModel"], "mask_token_id": cfg.mask_token_id,
+                       "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
+                       "markov_head_type": "vanilla", "sample_from_anchor": False, "enable_confidence_head": False,
+                       "confidence_head_with_markov": False})
+        vocab_ids = getattr(drafter, "draft_vocab", None)
+        w2 = state["markov_head.markov_w2.weight"]
+        if vocab_ids is not None:
+            full = w2.new_zeros(cfg.vocab_size, w2.shape[1])
+            full[vocab_ids] = w2
+            state["markov_head.markov_w2.weight"] = full
+        expected |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
     if set(state) != expected:
         raise BlockdraftError(f"{src}: weights outside the published set: {sorted(set(state) ^ expected)[:4]}")
     write_model_folder(out, config, state, dtype)
     vocab, context = ours.get("draft_vocab_size"), ours.get("train_context")
+    how = ("DSpark's format with `sample_from_anchor: false` (a DFlash backbone and a rank-"
+           f"{cfg.markov_rank} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
+           "`dspark`) read it; SGLang refuses this block layout" if cfg.markov_rank else
+           "The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
+           "(`--speculative-algorithm DFLASH`)")
     (Path(out) / "README.md").write_text(
-        f"# DFlash drafter (exported by blockdraft)\n\n"
-        f"The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
-        f"(`--speculative-algorithm DFLASH`). Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
+        f"# {'DSpark-style' if cfg.markov_rank else 'DFlash'} drafter (exported by blockdraft)\n\n"
+        f"{how}. Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
         f"target layers {list(cfg.target_layer_ids)}, mask token id {cfg.mask_token_id}.\n\n"
         + (f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
            f"the target's whole vocabulary.\n\n" if vocab else "")

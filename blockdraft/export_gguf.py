@@ -8,6 +8,9 @@ target head's rows for those ids): llama.cpp scatters those logits into the full
 so its drafts are the same tokens as ours. The metadata is what llama.cpp's loader reads:
 the usual transformer sizes, `dflash.block_size`, `dflash.target_layers` and the mask token.
 The tokenizer is copied from the target's GGUF (llama.cpp checks that the two match).
+A drafter with a Markov head adds `markov_w1` / `markov_w2` and `dflash.sample_from_anchor`
+false (our blocks draft from the slot after the anchor): llama.cpp then runs it as draft-dspark,
+the chain greedy on the token drafted before, as ours.
 
 llama.cpp numbers a target layer by its INPUT: our layer id i (the output of layer i, HF
 `hidden_states[i + 1]`) is written as i + 1, so the target's last layer cannot be one.
@@ -35,7 +38,9 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-             "norm.weight": "output_norm.weight"}
+             "norm.weight": "output_norm.weight",
+             # a Markov head (llama.cpp runs a drafter GGUF holding these as draft-dspark)
+             "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight"}
 
 
 def gguf_name(name: str) -> str:
@@ -115,6 +120,11 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     state = drafter.state_dict()
     vocab = state.pop("draft_vocab", None)
     if full_vocab:
+        if vocab is not None and "markov_head.markov_w2.weight" in state:  # its rows spread over the vocabulary
+            rows = state["markov_head.markov_w2.weight"]
+            full = rows.new_zeros(cfg.vocab_size, rows.shape[1])
+            full[vocab] = rows  # tokens outside the draft vocabulary get no correction, as llama.cpp scatters it
+            state["markov_head.markov_w2.weight"] = full
         vocab = None
     out = Path(out)
     with gguf_file(out, ARCH) as w:
@@ -134,6 +144,9 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
         w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
         w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
         w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
+        if cfg.markov_rank:  # our blocks: [anchor, MASK...], the anchor slot drafts nothing
+            w.add_bool(f"{ARCH}.sample_from_anchor", False)
+            w.add_bool(f"{ARCH}.has_confidence_head", False)
         if cfg.layer_types and "sliding_attention" in cfg.layer_types:
             w.add_sliding_window(int(cfg.sliding_window))
             w.add_array(f"{ARCH}.attention.sliding_window_pattern",
@@ -149,6 +162,7 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
             data, raw = _tensor(gguf, head[vocab], weight_type)
             w.add_tensor("output.weight", data, raw_dtype=raw)
     return {"layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "weight_type": weight_type,
+            "markov_rank": cfg.markov_rank,
             "draft_vocab_size": None if vocab is None else int(vocab.numel()),
             "target_layers": [int(i) + 1 for i in cfg.target_layer_ids], "bytes": out.stat().st_size}
 

@@ -74,3 +74,28 @@ def test_what_the_format_cannot_carry_is_a_clear_error(tmp_path):
     with pytest.raises(BlockdraftError, match="not a DFlash drafter"):
         export_drafter(SHIPPED_DRAFTS[DEFAULT_TARGET_NAME, "eagle3"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path):
+    """DSpark's names and keys (DeepSpec's config: Qwen3DSparkModel, top-level mask token and
+    target layers, markov_rank, a vanilla head), sample_from_anchor false, W2's draft-vocabulary
+    rows spread over the whole vocabulary."""
+    shipped = DFlashDrafter.load(shipped_drafter("dflash"))
+    cfg = DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": 32})
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict({**shipped.state_dict(), **{k: v.normal_() for k, v in drafter.state_dict().items()
+                                                          if k.startswith("markov_head.")}})
+    drafter.save(tmp_path / "markov")
+    export_drafter(tmp_path / "markov", tmp_path / "out", torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"]
+    assert (config["mask_token_id"], config["target_layer_ids"]) == (cfg.mask_token_id, cfg.target_layer_ids)
+    assert (config["markov_rank"], config["markov_head_type"], config["sample_from_anchor"]) == (32, "vanilla", False)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        w1, w2 = f.get_tensor("markov_head.markov_w1.weight"), f.get_tensor("markov_head.markov_w2.weight")
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= names and "draft_vocab" not in names
+    assert torch.equal(w1, drafter.markov_head.markov_w1.weight)
+    assert w2.shape == (cfg.vocab_size, 32) and torch.equal(w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight)
+    assert int((w2 != 0).any(-1).sum()) == drafter.draft_vocab.numel()

@@ -95,3 +95,35 @@ def test_what_llama_cpp_cannot_run_is_a_clear_error(shipped, tmp_path, capsys):
     eagle = shipped_drafter("eagle3")
     assert main(["export", "gguf-drafter", str(eagle), "--out", str(tmp_path / "e.gguf"), "--default-target"]) != 0
     assert "not a DFlash drafter" in capsys.readouterr().err
+
+
+def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, tmp_path):
+    """A drafter with a Markov head: markov_w1 / markov_w2 under llama.cpp's names,
+    `dflash.sample_from_anchor` false (the anchor slot drafts nothing), and with --full-vocab the
+    draft-vocabulary rows of W2 spread over the whole vocabulary with zeros elsewhere (what
+    llama.cpp's scatter would give)."""
+    cfg = DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": 32})
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict({**shipped.state_dict(), **{k: v for k, v in drafter.state_dict().items()
+                                                          if k.startswith("markov_head.")}})
+    drafter.markov_head.markov_w2.weight.data.normal_()
+    drafter.save(tmp_path / "markov")
+    out = tmp_path / "m.gguf"
+    assert main(["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(out), "--type", "F32",
+                 "--default-target"]) == 0
+    meta, tensors = read_gguf_drafter(out)
+    assert meta["dflash.sample_from_anchor"] is False and meta["dflash.has_confidence_head"] is False
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    assert torch.equal(tensors["markov_w1.weight"], w1) and torch.equal(tensors["markov_w2.weight"], w2)
+    assert torch.equal(tensors["d2t"], drafter.draft_vocab)
+    full = tmp_path / "full.gguf"
+    assert main(["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(full), "--type", "F32",
+                 "--default-target", "--full-vocab"]) == 0
+    _, tensors = read_gguf_drafter(full)
+    spread = tensors["markov_w2.weight"]
+    assert spread.shape == (cfg.vocab_size, 32) and "d2t" not in tensors
+    assert torch.equal(spread[drafter.draft_vocab], w2)
+    outside = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    outside[drafter.draft_vocab] = False
+    assert not spread[outside].any()
