@@ -13,6 +13,8 @@
     # warm-started from the shipped drafter, equal steps, evaluated on the same held-out greedy answers
     .venv/bin/python scripts/experiments.py sampling --sources greedy=data/regen/smollm2-135m-instruct \
         t07=data/regen/smollm2-135m-instruct-t07 t10=data/regen/smollm2-135m-instruct-t10
+    # a Markov head (DSpark) against plain DFlash: both from the shipped drafter, equal steps, same data
+    .venv/bin/python scripts/experiments.py markov --rank 256 --steps 400
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python scripts/experiments.py table --plot docs/data_scaling.png
 
@@ -318,6 +320,21 @@ def cmd_sampling(args):
         run(key, cfg, {"kind": "sampling", **row})
 
 
+def cmd_markov(args):
+    """DFlash against the same drafter with a DSpark-style Markov head, at equal steps on the same
+    data in the same order: both start from the shipped drafter (the head starts fresh), both
+    are measured on the same held-out answers (teacher-forced τ) and prompts (decode loop)."""
+    settings = {**SHIPPED, "data": args.data, "dtype": args.dtype, "eval_every": 10**9,
+                "eval_prompts": args.eval_prompts, "eval_max_new_tokens": args.eval_max_new_tokens,
+                "save_every": 25, "log_every": 5, "seed": args.seed}
+    for name, rank in (("dflash", 0), (f"dspark-r{args.rank}", args.rank)):
+        key = f"markov/{name}"
+        if key in done_runs():
+            continue
+        cfg = TrainConfig(out=str(RUNS / f"markov-{name}"), max_steps=args.steps, markov_rank=rank, **settings)
+        run(key, cfg, {"kind": "markov", "markov_rank": rank, "data": args.data})
+
+
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
@@ -397,7 +414,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "markov", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -427,9 +444,14 @@ def main():
                    help="NAME=FOLDER of regenerated answers; the first one's held-out answers are the evaluation set")
     a.add_argument("--steps", type=int, default=150, help="training steps of every branch")
     a.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    m = sub.choices["markov"]
+    m.add_argument("--rank", type=int, default=256, help="the Markov head's rank (DSpark's: 256)")
+    m.add_argument("--steps", type=int, default=400, help="training steps of each branch")
+    m.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "blocks": cmd_blocks,
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
+     "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 
 
