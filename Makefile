@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # loops are small products and Python between them, so two one-thread workers finish the suite
 # on 2 cores in about three quarters of the time that one two-thread process takes.
 TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # llama.cpp for the benchmark's llamacpp peers, compiled from source (about 10 minutes on 2 cores).
 # Where the CPU reports AMX but the kernel does not enable it, quantized models crash llama.cpp

@@ -2,7 +2,7 @@
 
 A target forward over w tokens costs c(w) decode steps: on a CPU the weights stream once
 whatever w is, so c grows slowly (about 1.1 at w = 2, 1.6-1.9 at w = 8-16 on the 2-core
-CPU, `python scripts/cpu_peers.py`), then the arithmetic takes over. `StepCosts` keeps the
+CPU, `python benchmarks/cpu_peers.py`), then the arithmetic takes over. `StepCosts` keeps the
 measured seconds per (batch size, width); an unmeasured width is estimated from a prior
 curve scaled to the measured ones. `best_width` picks how many of a step's draft tokens to
 verify: the prefix of best-first draft nodes (a chain's tokens, a tree's nodes) with the

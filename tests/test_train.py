@@ -489,7 +489,7 @@ def test_teacher_forced_acceptance_at_a_smaller_served_block(tiny_corpus, tmp_pa
 
 
 def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp_path):
-    """The data-scaling curve's branches (scripts/experiments.py scaling --wsd-branches): a run
+    """The data-scaling curve's branches (benchmarks/experiments.py scaling --wsd-branches): a run
     stopped early with `run(until=)` and continued from a copy of its checkpoint with a shorter
     schedule ends bit for bit where a separate run of that length ends (fixed warmup steps)."""
     import shutil
@@ -619,11 +619,11 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
 
 @pytest.mark.parametrize("arch", ["dflash", "eagle3"])
 def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny_corpus, tmp_path, monkeypatch, arch):
-    """scripts/ship_drafter.py: the shipped copy is the run's drafter in fp16 and its card carries
+    """tools/ship_drafter.py: the shipped copy is the run's drafter in fp16 and its card carries
     the run's own steps, samples, threads and the τ of the bench run it is given."""
     import argparse
 
-    scripts = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    scripts = os.path.join(os.path.dirname(__file__), "..", "tools")
     monkeypatch.syspath_prepend(scripts)
     import ship_drafter
 

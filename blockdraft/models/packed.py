@@ -12,7 +12,7 @@ A decode step multiplies every weight matrix by one row; a verify step by a hand
 - `onednn`: oneDNN's inner product on a weight reordered once into its blocked layout
   (the weight's memory once, for 1-16 rows). On the AMD CPU the LM head's product over 3 rows takes 10 ms
   against plain's 42 ms and mkl's 26 ms.
-(`python scripts/engine_costs.py` prints the forward's cost per row count.)
+(`python benchmarks/engine_costs.py` prints the forward's cost per row count.)
 
 `pack_linears(model)` swaps every `nn.Linear` of a model for a `PackedLinear` that shares
 its parameters (state-dict keys and tied weights are unchanged). An input of m rows with

@@ -164,7 +164,7 @@ class Scheduler:
     def run(self):
         """Step the loop on the calling thread until `shutdown`. `blockdraft serve` calls this from
         the main thread and runs the HTTP server on another: torch's decode steps measured
-        slower on a second thread (scripts/scheduler_thread.py)."""
+        slower on a second thread (benchmarks/scheduler_thread.py)."""
         self.thread = threading.current_thread()
         self._run()
 

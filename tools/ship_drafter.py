@@ -1,8 +1,8 @@
 """Ship trained drafters for the default target: fp16 weights + a model card.
 
-    python scripts/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
-    python scripts/ship_drafter.py --eagle RUN_DIR [--bench DIR]       # the EAGLE-3-style baseline only
-    python scripts/ship_drafter.py RUN_DIR --eagle EAGLE_RUN_DIR ...     # both
+    python tools/ship_drafter.py RUN_DIR [--samples 20] [--max-new-tokens 256] [--bench DIR]
+    python tools/ship_drafter.py --eagle RUN_DIR [--bench DIR]       # the EAGLE-3-style baseline only
+    python tools/ship_drafter.py RUN_DIR --eagle EAGLE_RUN_DIR ...     # both
 
 Copies RUN_DIR/drafter into blockdraft/shipped/smollm2-135m-instruct-dflash/ (fp16; with --eagle,
 EAGLE_RUN_DIR/drafter into .../smollm2-135m-instruct-eagle3/), measures τ with `blockdraft bench`
@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from blockdraft.bench.runner import cpu_name
-from experiments import records  # scripts/experiments.py, beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from experiments import records  # noqa: E402  (benchmarks/experiments.py)
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
@@ -67,7 +69,7 @@ def scaling_table(path: str, arch: str = "dflash") -> str:
     recipe = ", ".join(f"{name} {cfg[key]}" for name, key in (("block", "block_size"), ("anchors", "num_anchors"),
                                                               ("lr", "lr"), ("schedule", "schedule")) if key in cfg)
     return (f"\n## Data-scaling curve ({arch} on the first N samples, one epoch, from scratch; {recipe}; "
-            "`scripts/experiments.py scaling`)\n\n"
+            "`benchmarks/experiments.py scaling`)\n\n"
             "| distinct samples | epochs | steps | τ teacher-forced (held-out answers) | τ decode loop "
             "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body)
 
@@ -214,7 +216,7 @@ def main():
     ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
     ap.add_argument("--eagle", help="ship the EAGLE-3-style baseline trained in this run folder")
     ap.add_argument("--scaling", default=str(SCALING_LOG),
-                    help="experiment log whose data-scaling records (scripts/experiments.py scaling) go in the card")
+                    help="experiment log whose data-scaling records (benchmarks/experiments.py scaling) go in the card")
     args = ap.parse_args()
     if not args.run and not args.eagle:
         ap.error("name a DFlash run folder, --eagle RUN, or both")

@@ -2,9 +2,9 @@
 and τ with and without the window on long prompts (the README's figures).
 
     # draft time: one DFlash block (drafter forward + its LM head) at 512 / 2K / 8K tokens of context
-    python scripts/draft_window.py cost [--contexts 512,2048,8000] [--windows none,256,512,1024,2048]
+    python benchmarks/draft_window.py cost [--contexts 512,2048,8000] [--windows none,256,512,1024,2048]
     # τ on long held-out ShareGPT conversations (the history as context, the last user turn answered)
-    python scripts/draft_window.py tau [--min-tokens 1500] [--max-tokens 3500] [--prompts 4] [--windows none,512,1024]
+    python benchmarks/draft_window.py tau [--min-tokens 1500] [--max-tokens 3500] [--prompts 4] [--windows none,512,1024]
 
 Draft time does not depend on what the context says, so `cost` fills the drafter's cache with
 random features (one block anchored right after them) and reports the median of --repeats

@@ -6,7 +6,7 @@ llama.cpp on the original Q4_1 file. Greedy, chat template, timing includes pref
 threads = torch's. Then the cost of verifying B tokens relative to one decode step, for both
 weight formats. Needs llama-cpp-python (`pip install '.[peers]'`) for the llama.cpp rows.
 
-    python scripts/cpu_peers.py [--max-new-tokens 128] [--prompts 8] [--repeats 1] [--json FILE]
+    python benchmarks/cpu_peers.py [--max-new-tokens 128] [--prompts 8] [--repeats 1] [--json FILE]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ order, greedy. Prints per method and dataset: tau, the drafter's ms per step, th
 per step, tokens/s (median over prompts) and the int8 / fp32 ratio of tokens/s (median
 of the per-prompt ratios), and whether both gave the same tokens.
 
-    python scripts/draft_weights.py [--dataset humaneval,mtbench] [--max-samples 8]
+    python benchmarks/draft_weights.py [--dataset humaneval,mtbench] [--max-samples 8]
         [--max-new-tokens 256] [--methods dflash@3,dflash,eagle3@4] [--out FILE.json]
 """
 

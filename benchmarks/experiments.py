@@ -1,22 +1,22 @@
 """Training experiments behind the README's recipe table and data-scaling curve.
 
     # recipe: short runs at EQUAL CPU TIME, one setting changed per run from the base recipe
-    .venv/bin/python scripts/experiments.py recipe --minutes 10
+    .venv/bin/python benchmarks/experiments.py recipe --minutes 10
     # data scaling: the chosen recipe on the first N training samples, same number of epochs
-    .venv/bin/python scripts/experiments.py scaling --sizes 1000 2500 5000 10000 20000 --epochs 2
-    .venv/bin/python scripts/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
+    .venv/bin/python benchmarks/experiments.py scaling --sizes 1000 2500 5000 10000 20000 --epochs 2
+    .venv/bin/python benchmarks/experiments.py scaling --arch eagle3 ...   # the same curve for the baseline
     # the same curve at 1 epoch from one pass: each size is a WSD decay branch off the full run
-    .venv/bin/python scripts/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
+    .venv/bin/python benchmarks/experiments.py scaling --wsd-branches --sizes 1000 2500 5000 10000 20000
     # trained blocks compared as served at a small block (CPU): the same steps for every run
-    .venv/bin/python scripts/experiments.py served --runs block-8-anchors-32 block-4-anchors-64 --steps 370 --block 3
+    .venv/bin/python benchmarks/experiments.py served --runs block-8-anchors-32 block-4-anchors-64 --steps 370 --block 3
     # which answers to regenerate next: greedy vs sampled answers to the SAME prompts, each branch
     # warm-started from the shipped drafter, equal steps, evaluated on the same held-out greedy answers
-    .venv/bin/python scripts/experiments.py sampling --sources greedy=data/regen/smollm2-135m-instruct \
+    .venv/bin/python benchmarks/experiments.py sampling --sources greedy=data/regen/smollm2-135m-instruct \
         t07=data/regen/smollm2-135m-instruct-t07 t10=data/regen/smollm2-135m-instruct-t10
     # a Markov head (DSpark) against plain DFlash: both from the shipped drafter, equal steps, same data
-    .venv/bin/python scripts/experiments.py markov --rank 256 --steps 400
+    .venv/bin/python benchmarks/experiments.py markov --rank 256 --steps 400
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
-    .venv/bin/python scripts/experiments.py table --plot docs/data_scaling.png
+    .venv/bin/python benchmarks/experiments.py table --plot docs/data_scaling.png
 
 Equal compute: each recipe run first times a few steps of its own configuration, then gets
 as many steps as fit in --minutes (a run with soft labels or more layers gets fewer steps).

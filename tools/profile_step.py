@@ -4,7 +4,7 @@ Runs `--method ar` (or another method) on one chat prompt under torch's profiler
 per step: wall time, the time inside ops, op calls, and the ops sorted by self time.
 The gap between wall time and op time is Python and dispatch overhead.
 
-    python scripts/profile_step.py [--method ar] [--tokens 64] [--rows 15] [--dtype float32]
+    python tools/profile_step.py [--method ar] [--tokens 64] [--rows 15] [--dtype float32]
 """
 
 from __future__ import annotations

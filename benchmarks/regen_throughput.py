@@ -9,7 +9,7 @@ prefilled alongside are reported too (they cost about as much per token).
 With --out DIR the answers are real training data, written (resumably) into DIR like
 `blockdraft data regenerate --out DIR`; without it nothing is written.
 
-    .venv/bin/python scripts/regen_throughput.py --batches 16 64 128 256 --window 90 \\
+    .venv/bin/python benchmarks/regen_throughput.py --batches 16 64 128 256 --window 90 \\
         --out data/regen/smollm2-135m-instruct --json bench-results/regen/throughput.json
 
 `--server-compare N` answers the same N prompts in-process (one loop of --concurrency rows) and
@@ -20,7 +20,7 @@ the rates, their ratio per round, and whether the answers agree.
 `--dtype bfloat16` runs the target in bf16. `--compare-dtype N` answers the same N prompts with an fp32 and a bf16
 target, twice each, interleaved, and prints the rates and how far the greedy answers agree:
 
-    .venv/bin/python scripts/regen_throughput.py --compare-dtype 128 --batches 128 --mix sharegpt
+    .venv/bin/python benchmarks/regen_throughput.py --compare-dtype 128 --batches 128 --mix sharegpt
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Load test of `blockdraft serve` on loopback: throughput and latency per method and concurrency.
 
-    .venv/bin/python scripts/load_test.py                       # dflash adaptive vs fixed vs ar
-    .venv/bin/python scripts/load_test.py --concurrency 1,4 --requests 8 --max-tokens 64
+    .venv/bin/python benchmarks/load_test.py                       # dflash adaptive vs fixed vs ar
+    .venv/bin/python benchmarks/load_test.py --concurrency 1,4 --requests 8 --max-tokens 64
 
 For each server configuration a fresh server process is started on 127.0.0.1 and
 the same MT-Bench first-turn prompts are sent by `c` concurrent streaming clients

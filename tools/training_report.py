@@ -1,7 +1,7 @@
 """Tables and a plot from training runs' metrics.jsonl (ablations, learning curves).
 
-    python scripts/training_report.py runs/ablation-recipe runs/ablation-context-input ...
-    python scripts/training_report.py --curve docs/learning_curve.png runs/smol-main runs/eagle3-main
+    python tools/training_report.py runs/ablation-recipe runs/ablation-context-input ...
+    python tools/training_report.py --curve docs/learning_curve.png runs/smol-main runs/eagle3-main
 
 For each run: steps, sequences and tokens seen, wall time, the mean loss and
 per-position accuracy over the last 20% of logged steps, and every τ measured

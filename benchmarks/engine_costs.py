@@ -7,7 +7,7 @@
    forced (plain F.linear, MKL's packed sgemm, oneDNN) and with the default, the fastest
    kernel measured per weight shape and row count (`blockdraft.models.packed`).
 
-    python scripts/engine_costs.py [--max-new-tokens 64] [--repeats 2]
+    python benchmarks/engine_costs.py [--max-new-tokens 64] [--repeats 2]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ offline loop (`answer_prompts`), by the server's scheduler stepped from the main
 the scheduler stepped from a second thread (as the server runs it), no HTTP anywhere; rounds
 interleaved.
 
-    .venv/bin/python scripts/scheduler_thread.py [--prompts 128] [--max-new-tokens 200] [--rounds 2]
+    .venv/bin/python benchmarks/scheduler_thread.py [--prompts 128] [--max-new-tokens 200] [--rounds 2]
 """
 
 import argparse

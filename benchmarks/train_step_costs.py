@@ -8,7 +8,7 @@ is left out). With --tau-samples N, also the shipped drafter's teacher-forced ac
 held-out answers under each dtype: whether a drafter trained on one dtype's features serves
 on the other's.
 
-    .venv/bin/python scripts/train_step_costs.py [--arch dflash eagle3] [--steps 6]
+    .venv/bin/python benchmarks/train_step_costs.py [--arch dflash eagle3] [--steps 6]
         [--dtype float32 bfloat16] [--tau-samples 64]
 """
 

@@ -4,7 +4,7 @@ For each dataset, the first `--prompts` first turns, greedy, `--max-new-tokens` 
 `--nodes` draft nodes built from the top-k candidates per position, for each k. Prints the mean
 tokens per verify step (τ). τ does not depend on timing, so this can run beside other work.
 
-    python scripts/tree_width.py [--widths 4,8,16,32] [--nodes 32] [--prompts 4] [--max-new-tokens 64]
+    python benchmarks/tree_width.py [--widths 4,8,16,32] [--nodes 32] [--prompts 4] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
