@@ -54,7 +54,9 @@ def read_config(folder: str | Path, architecture: str) -> dict:
     raw = json.loads((folder / "config.json").read_text())
     found = (raw.get("architectures") or [architecture])[0]
     if found != architecture:
-        label = {"DFlashDraftModel": "DFlash drafter", "Eagle3DraftModel": "EAGLE-3-style drafter"}[architecture]
+        from .drafters import KINDS
+
+        label = next((k.label for k in KINDS.values() if k.architecture == architecture), architecture)
         raise BlockdraftError(f"{folder}: not a {label} (architectures={raw.get('architectures')})")
     return raw
 

@@ -46,13 +46,13 @@ def _load_engine(args, method_names: list[str]):
     shipped drafters load on first use); unknown methods fail here, before any loading."""
     import torch
 
-    from . import methods
+    from . import drafters, methods
     from .engine import Engine
 
     specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
     dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
-                       use_draft=any(s.drafter == "dflash" for s in specs), eagle=args.eagle,
+                       use_draft=any(s.drafter == drafters.PRIMARY for s in specs), eagle=args.eagle,
                        draft_window="auto" if args.draft_window is None else args.draft_window,
                        draft_weights=args.draft_weights)
 
@@ -151,7 +151,10 @@ def cmd_data_regenerate(args) -> int:
 
         import torch
 
-        source = Engine.load(args.target, args.draft, use_draft=args.method == "dflash",
+        from . import drafters, methods
+
+        source = Engine.load(args.target, args.draft,
+                             use_draft=methods.parse(args.method)[0].drafter == drafters.PRIMARY,
                              dtype=getattr(torch, args.dtype) if args.dtype else None)
     sampling = AnswerSampling(args.temperature, args.top_p, args.top_k)
     sources = None
@@ -335,7 +338,7 @@ def cmd_export_gguf_drafter(args) -> int:
              if info["draft_vocab_size"] else "")
     print(f"wrote {args.out} ({info['bytes'] / 2**20:.1f} MiB, {info['weight_type']}, {info['layers']} layers, "
           f"block {info['block_size']}{vocab}); run it with\n  llama-server -m TARGET.gguf --spec-type "
-          f"draft-dflash --spec-draft-model {args.out} --spec-draft-n-max {info['block_size'] - 1}", file=sys.stderr)
+          f"{'draft-dspark' if info['markov_rank'] else 'draft-dflash'} --spec-draft-model {args.out} --spec-draft-n-max {info['block_size'] - 1}", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import methods
+from . import drafters, methods
 from .decode import Request, SequenceState, generate_steps
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
@@ -176,12 +176,10 @@ class Engine:
                     note = ("no trained drafter is shipped for this target yet: pass --draft DIR, "
                             "or use --method ar")
             if draft is not None:
-                drafter = DFlashDrafter.load(draft, device, dtype)
+                drafter = drafters.kind("dflash").load(draft, device, dtype)
         baseline = None
         if eagle is not None:
-            from .eagle import EagleDrafter
-
-            baseline = EagleDrafter.load(eagle, device, dtype)
+            baseline = drafters.kind("eagle3").load(eagle, device, dtype)
         for module in (drafter, baseline):
             if module is not None:
                 with_draft_weights(module, draft_weights)
@@ -192,27 +190,22 @@ class Engine:
                    draft_weights=draft_weights)
 
     def drafter_for(self, kind: str):
-        """The loaded drafter of a kind ("dflash" | "eagle3"); the one shipped for the default
-        target is loaded on first use."""
-        attr = {"dflash": "drafter", "eagle3": "eagle"}[kind]
-        if getattr(self, attr) is None:
-            folder = shipped_drafter(kind) if self.default_target else None
+        """The loaded drafter of a kind (see `drafters.KINDS`: "dflash", "eagle3"); the one
+        shipped for the default target is loaded on first use."""
+        spec = drafters.kind(kind)
+        if getattr(self, spec.engine_slot) is None:
+            folder = shipped_drafter(spec.name) if self.default_target else None
             if folder is None:
-                flag = "--draft DIR" if kind == "dflash" else "--eagle DIR"
-                raise BlockdraftError(self.draft_note if kind == "dflash" and self.draft_note
-                                      else f"method {kind} needs a drafter for this target: pass {flag}")
-            if kind == "dflash":
-                module = DFlashDrafter.load(folder, self.target.device, self.target.dtype)
-            else:
-                from .eagle import EagleDrafter
-
-                module = EagleDrafter.load(folder, self.target.device, self.target.dtype)
+                if spec.engine_slot == "drafter" and self.draft_note:
+                    raise BlockdraftError(self.draft_note)
+                raise BlockdraftError(f"method {spec.name} needs a {spec.label} for this target: pass {spec.flag} DIR")
+            module = spec.load(folder, self.target.device, self.target.dtype)
             module.check_target(self.target.config)
             with_draft_weights(module, self.draft_weights)
             if self.packed:
                 pack_linears(module)
-            setattr(self, attr, module)
-        return getattr(self, attr)
+            setattr(self, spec.engine_slot, module)
+        return getattr(self, spec.engine_slot)
 
     # ---- prompts -------------------------------------------------------------------
 

@@ -338,10 +338,3 @@ class EagleProposer(Proposer):
             token = d.draft_tokens(d.norm(hidden), self.target.lm_head.weight)
             drafts[:, j] = token[:, 0]
         return drafts
-
-
-def proposer_for(drafter, target: Transformer) -> Proposer:
-    """The proposer that drives a drafter of this kind (DFlash or EAGLE-3 style)."""
-    if getattr(drafter, "kind", "dflash") == "eagle3":
-        return EagleProposer(drafter, target)
-    return DFlashProposer(drafter, target)

@@ -30,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import Request, generate_steps
-from ..draft import DFlashDrafter, DraftConfig, loss_decay_gamma
+from .. import drafters
+from ..draft import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
-from ..proposers import proposer_for
 from .blocks import IGNORE, build_blocks
 from .data import data_folders, iter_samples
 from .features import sequence_key
+from .init import init_from_target
 
 
 def _opt(default, help: str):
@@ -182,59 +183,6 @@ def accepted_lengths(right: torch.Tensor) -> torch.Tensor:
     return 1 + right.long().cumprod(-1).sum(-1)
 
 
-def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns: slice = slice(None)):
-    """Copy a target decoder layer into drafter modules (`columns` of the q/k/v input side)."""
-    q, k, v = theirs.self_attn.qkv_proj.weight.split([q_proj.out_features, k_proj.out_features,
-                                                      v_proj.out_features])
-    q_proj.weight[:, columns].copy_(q)
-    k_proj.weight[:, columns].copy_(k)
-    v_proj.weight[:, columns].copy_(v)
-    o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
-    gate, up = theirs.mlp.gate_up_proj.weight.split(theirs.mlp.hidden)
-    mlp.gate_proj.weight.copy_(gate)
-    mlp.up_proj.weight.copy_(up)
-    mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
-    post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
-
-
-def init_from_target(drafter, target, how: str):
-    """Warm start: copy the first or last N target layers' attention, MLP and norm weights into
-    the drafter's N layers (the DFlash drafter's extra q/k norms and every fc stay freshly
-    initialised; the EAGLE layer gets the target layer's q/k/v on its hidden-state half).
-    `target-last-fc` also starts `fc` as the identity on the deepest captured layer and
-    `hidden_norm` as the norm the target applies to it, so that the context keys and values
-    begin as the target's own."""
-    layers = target.model.layers
-    if how not in ("target-first", "target-last", "target-last-fc"):
-        raise BlockdraftError(f"--init must be random, target-first, target-last or target-last-fc, not {how!r}")
-    if target.recurrent:
-        raise BlockdraftError(f"--init {how} copies Llama-style attention layers; this target's layers are "
-                              "linear and gated attention (use --init random)")
-    with torch.no_grad():
-        if getattr(drafter, "kind", "dflash") == "eagle3":
-            theirs = layers[0] if how == "target-first" else layers[-1]  # (-fc: EAGLE's fc stays random)
-            h = drafter.config.hidden_size
-            _copy_layer(theirs, drafter.q_proj, drafter.k_proj, drafter.v_proj, drafter.o_proj, drafter.mlp,
-                        drafter.post_attention_layernorm, slice(h, 2 * h))
-            drafter.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
-        else:
-            n = len(drafter.layers)
-            for mine, theirs in zip(drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n:]):
-                att = mine.self_attn
-                _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp,
-                            mine.post_attention_layernorm)
-                mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-        if how.startswith("target-last"):
-            drafter.norm.weight.copy_(target.model.norm.weight)
-        if how == "target-last-fc":
-            ids, h = list(drafter.config.target_layer_ids), drafter.config.hidden_size
-            j = ids.index(max(ids))
-            drafter.fc.weight.zero_()
-            drafter.fc.weight[:, j * h:(j + 1) * h].copy_(torch.eye(h))
-            reader = layers[ids[j] + 1] if ids[j] + 1 < len(layers) else layers[-1]
-            drafter.hidden_norm.weight.copy_(reader.input_layernorm.weight)
-
-
 def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
     """The draft vocabulary: the `n` most frequent answer tokens; ties and any shortfall are
     filled from prompt-token frequency, then by id (deterministic)."""
@@ -277,19 +225,7 @@ class Trainer:
         self.stop_token_ids = tuple(eos_token_ids(target_dir))
         if cfg.mask_token_id is None:
             cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
-        draft_cfg = DraftConfig.for_target(self.target.config, num_layers=cfg.num_layers,
-                                           block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                                           target_layer_ids=cfg.target_layer_ids,
-                                           sliding_window=cfg.sliding_window, full_layers=cfg.full_layers,
-                                           markov_rank=cfg.markov_rank)
-        # what the published format cannot say: the longest context trained on (the default
-        # --draft-window when decoding), an ablation's context mode, a draft vocabulary
-        ours = {"train_context": cfg.max_seq_len}
-        if cfg.context_mode != "kv":
-            ours["context_mode"] = cfg.context_mode
-        if cfg.draft_vocab:
-            ours["draft_vocab_size"] = min(cfg.draft_vocab, self.target.config.vocab_size)
-        draft_cfg.extra = {"blockdraft": ours}
+        self.kind = drafters.kind(cfg.arch)
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
         self.samples = self._load_samples()
         self._orders: dict[int, list[int]] = {}
@@ -297,18 +233,8 @@ class Trainer:
         self.tokens_seen = 0  # sequence tokens through the target, all processes
         self.elapsed, self._t0 = 0.0, time.perf_counter()  # wall seconds of earlier processes (resume)
         torch.manual_seed(cfg.seed)
-        if cfg.arch == "eagle3":
-            from ..eagle import EagleConfig, EagleDrafter
-
-            self.drafter = EagleDrafter(EagleConfig.for_target(
-                self.target.config, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
-                draft_vocab_size=ours.get("draft_vocab_size"))).to(self.device)
-        elif cfg.arch == "dflash":
-            self.drafter = DFlashDrafter(draft_cfg).to(self.device)
-        else:
-            raise BlockdraftError(f"--arch must be dflash or eagle3, not {cfg.arch!r}")
-        if cfg.markov_rank and cfg.arch != "dflash":
-            raise BlockdraftError("--markov-rank adds a Markov head to a DFlash drafter (--arch dflash)")
+        vocab = min(cfg.draft_vocab, self.target.config.vocab_size) if cfg.draft_vocab else None
+        self.drafter = self.kind.build(self.target.config, cfg, vocab).to(self.device)
         self.drafter.reset_parameters()
         if cfg.init != "random":
             init_from_target(self.drafter, self.target, cfg.init)
@@ -324,7 +250,7 @@ class Trainer:
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
         self.features = None
         if cfg.feature_cache:
-            if cfg.distill > 0 and cfg.arch == "dflash":
+            if cfg.distill > 0 and self.kind.soft_labels:
                 raise BlockdraftError("--feature-cache keeps only the context features; soft labels (--distill) "
                                       "need the target's full forward every step")
             from .features import FeatureCache
@@ -443,7 +369,7 @@ class Trainer:
         teacher = None
         with torch.no_grad():
             positions = torch.arange(width, device=dev).expand(n, -1)
-            soft = self.cfg.distill > 0 and self.cfg.arch == "dflash"
+            soft = self.cfg.distill > 0 and self.kind.soft_labels
             features = None
             if self.features is not None:  # read them back, or compute, store and round them as stored
                 lengths = batch.lengths.tolist()
@@ -458,16 +384,7 @@ class Trainer:
             if soft:  # position p + k is predicted by the target's state at p + k - 1
                 before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
                 teacher = final[torch.arange(n, device=dev)[:, None], before]
-            if self.cfg.arch == "eagle3":
-                b = self.cfg.block_size
-                anchors = batch.block_positions[:, ::b].to(dev)
-                later = batch.labels.view(n, -1, b)[:, :, 1:b - 1].clamp(min=0)  # x_{a+1} .. x_{a+B-2}
-                forced = torch.cat([batch.block_tokens[:, ::b, None], later], dim=2).to(dev)
-            else:
-                noise = self.target.embed(batch.block_tokens.to(dev))
-        if self.cfg.arch == "eagle3":
-            return self.model(self.target.embed, tokens, features, anchors, forced), None
-        return self.model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev)), teacher
+        return self.kind.train_hidden(self.model, self.target, batch, tokens, features, positions), teacher
 
     # ---- evaluation ------------------------------------------------------------------
 
@@ -482,7 +399,7 @@ class Trainer:
         states = []
         # Decoding runs the drafter in the target's dtype, as `Engine.load` does.
         drafter = self.drafter if self.dtype == torch.float32 else copy.deepcopy(self.drafter).to(self.dtype)
-        proposer = proposer_for(drafter, self.target)
+        proposer = self.kind.proposer(drafter, self.target)
         for _ in generate_steps(self.target, proposer, reqs, block_size or self.cfg.block_size, states):
             pass
         self.drafter.train()
@@ -638,7 +555,7 @@ class Trainer:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.drafter.parameters())
             print(f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
-                  f"block {cfg.block_size}, {cfg.arch} with {cfg.num_layers if cfg.arch == 'dflash' else 1} layer(s), "
+                  f"block {cfg.block_size}, {cfg.arch} with {self.kind.describe(self.drafter)}, "
                   f"target layers {self.drafter.config.target_layer_ids}, "
                   f"{self.world} process(es), from step {self.step}", file=sys.stderr)
         self.drafter.train()
