@@ -15,6 +15,10 @@
         t07=data/regen/smollm2-135m-instruct-t07 t10=data/regen/smollm2-135m-instruct-t10
     # a Markov head (DSpark) against plain DFlash: both from the shipped drafter, equal steps, same data
     .venv/bin/python benchmarks/experiments.py markov --rank 256 --steps 400
+    # the epoch curve: one 10-epoch WSD run on 2,000 samples, decay branches at 1, 2, 4, 6 epochs
+    # (resumes from data/train-logs/positions/epochs-ARCH, which is committed)
+    .venv/bin/python benchmarks/experiments.py epochs --arch dflash
+    .venv/bin/python benchmarks/experiments.py epochs --arch eagle3
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python benchmarks/experiments.py table --plot docs/data_scaling.png
 
@@ -109,9 +113,9 @@ def seconds_per_step(cfg: TrainConfig, steps: int = 6) -> float:
 COST_KEYS = ("block_size", "num_layers", "num_anchors", "batch_size", "draft_vocab", "max_seq_len", "distill", "arch")
 
 
-def run(name: str, cfg: TrainConfig, extra: dict):
+def run(name: str, cfg: TrainConfig, extra: dict, trainer: Trainer | None = None):
     """Train to cfg.max_steps (resuming), evaluate held-out τ at the end, append the result."""
-    trainer = Trainer(cfg, resume=True)
+    trainer = trainer or Trainer(cfg, resume=True)
     trainer.run()
     records = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if l]
     last = records[-1]
@@ -335,6 +339,59 @@ def cmd_markov(args):
         run(key, cfg, {"kind": "markov", "markov_rank": rank, "data": args.data})
 
 
+# The epoch curve's recipes, from scratch (block 4: what a CPU verifies; the shipped settings).
+EPOCH_RECIPES = {
+    "dflash": dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
+                   init="target-last-fc", max_seq_len=512),
+    "eagle3": dict(arch="eagle3", block_size=4, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
+                   init="target-last", max_seq_len=512),
+}
+EPOCH_RECIPES["dspark"] = {**EPOCH_RECIPES["dflash"], "markov_rank": 256}
+
+
+def cmd_epochs(args):
+    """The epoch curve: ONE warmup-stable-decay run over --max-epochs epochs of the first
+    --samples training samples, and at each of --epochs a branch that decays from the main run
+    (its last `decay_frac` of e epochs) and is measured, so that the e-epoch point is exactly a
+    separate e-epoch WSD run. The main run's position (weights and step, no optimizer state)
+    is written to data/train-logs/positions/epochs-ARCH at every checkpoint: commit it, and on
+    another machine the same command continues from it (AdamW's moments rebuilt). The target's
+    features are kept in --feature-cache from the first epoch on."""
+    settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
+                "limit_samples": args.samples, "feature_cache": args.feature_cache, "dtype": args.dtype}
+    main_out = RUNS / f"epochs-{args.arch}-main"
+    position = RESULTS.parent / "positions" / f"epochs-{args.arch}"  # committed (weights, no optimizer state)
+    if not (main_out / "checkpoint").is_dir() and (position / "state.json").is_file():
+        main_out.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(position, main_out / "checkpoint")
+        print(f"epochs: continuing from the committed position {position}", file=sys.stderr)
+    cfg = TrainConfig(out=str(main_out), max_steps=1, **common(args), **settings)
+    main = Trainer(cfg, resume=True, position_dir=position)
+    per_epoch = math.ceil(len(main.samples) / cfg.batch_size)
+    main.cfg.max_steps = per_epoch * args.max_epochs
+    for e in sorted(args.epochs):
+        key = f"epochs/{args.arch}/{e}"
+        if key in done_runs():
+            continue
+        extra = {"kind": "epochs", "arch": args.arch, "epochs": e, "samples": len(main.samples),
+                 "steps_per_epoch": per_epoch}
+        steps = per_epoch * e
+        if e == args.max_epochs:
+            run(key, main.cfg, extra, trainer=main)
+            continue
+        start = steps - max(1, int(cfg.decay_frac * steps))
+        out = RUNS / f"epochs-{args.arch}-{e}"
+        if not (out / "checkpoint").is_dir():
+            if main.step > start:
+                raise SystemExit(f"{key}: the main run is at step {main.step}, past this branch's start {start}")
+            main.run(until=start)
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(main_out / "checkpoint", out / "checkpoint")
+            if (main_out / "metrics.jsonl").is_file():
+                shutil.copy(main_out / "metrics.jsonl", out / "metrics.jsonl")
+        run(key, dataclasses.replace(main.cfg, out=str(out), max_steps=steps), extra)
+
+
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
@@ -414,7 +471,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "markov", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "markov", "epochs", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -448,9 +505,17 @@ def main():
     m.add_argument("--rank", type=int, default=256, help="the Markov head's rank (DSpark's: 256)")
     m.add_argument("--steps", type=int, default=400, help="training steps of each branch")
     m.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    e = sub.choices["epochs"]
+    e.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dflash")
+    e.add_argument("--samples", type=int, default=2000, help="the first N training samples (the same for every arch)")
+    e.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4, 6, 10], help="where the curve is measured")
+    e.add_argument("--max-epochs", type=int, default=10, help="the main run's length (its own decay is the last point)")
+    e.add_argument("--warmup-steps", type=int, default=25)
+    e.add_argument("--feature-cache", default="runs/feature-cache")
+    e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov, "epochs": cmd_epochs,
      "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 
