@@ -288,13 +288,16 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
     # the drafter is fed the same context features for the prefix either way
     from blockdraft.decode import SequenceState
 
-    proposer, snaps = DFlashProposer(drafter, smol), []
+    proposer, snaps, seen = DFlashProposer(drafter, smol), [], []
+    observe = proposer.observe
+    proposer.observe = lambda tokens, features, *a, **k: (seen.append(features), observe(tokens, features, *a, **k))
     for shared in (True, False):
         loop = DecodeLoop(smol, proposer, drafter.config.block_size, 2, 200)
         loop.share_prefix(prefix if shared else [])
+        seen.clear()
         with torch.inference_mode():
             loop.admit([(k, reqs[k], SequenceState()) for k in range(2)])
-        (features, *_), = proposer._pending  # projected into its cache at the next draft
+        features, = seen  # what the proposer is given at the prefill
         snaps.append(features[:, :len(prefix)].clone())
     scale = snaps[1].abs().amax(-1, keepdim=True)  # a token's features span 1e-1..1e4: compare per token
     assert scale.amin() > 0.1 and ((snaps[0] - snaps[1]).abs() / scale).amax() < 1e-5

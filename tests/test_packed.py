@@ -25,7 +25,7 @@ def test_packed_linear_matches_f_linear_for_every_row_count(bias, kernel):
         for rows in range(1, 21):
             x = torch.randn(1, rows, 96)
             torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=2e-5, rtol=1e-5)
-    assert set(packed.packs._kernels) == {1, 3, 8, 16}  # 17..20 rows took the ordinary path
+    assert set(packed.packs.buckets) == {1, 3, 8, 16}  # 17..20 rows took the ordinary path
     chosen = {k for (o, i, b, size), k in kernel_choices().items() if (o, i, b) == (200, 96, bias)}
     assert kernel is not None or chosen <= set(available_kernels()) and chosen  # measured, then kept
 
@@ -63,7 +63,7 @@ def test_autograd_inputs_take_the_ordinary_path():
     packed = PackedLinear.wrap(lin, sizes=(8,), min_rows=1)
     x = torch.randn(4, 16, requires_grad=True)
     packed(x).sum().backward()
-    assert x.grad is not None and not packed.packs._packs
+    assert x.grad is not None and not packed.packs.packed_weights
 
 
 def test_pack_linears_keeps_ties_and_state_dict_keys_and_unpacks():
@@ -121,6 +121,6 @@ def test_warm_up_measures_every_bucket_a_server_will_use(tmp_path):
     model = load_target(tmp_path)
     pack_linears(model)
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert linears and not any(m.packs._kernels for m in linears)
+    assert linears and not any(m.packs.buckets for m in linears)
     model.warm_up(4)
-    assert all(sorted(m.packs._kernels) == [s for s in DEFAULT_SIZES if s <= 4] for m in linears)
+    assert all(sorted(m.packs.buckets) == [s for s in DEFAULT_SIZES if s <= 4] for m in linears)

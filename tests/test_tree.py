@@ -307,14 +307,19 @@ def test_after_compaction_no_stale_slot_is_attended(smol, random_drafter, greedy
     assert max(max(s.acceptance_lengths) for s in states) >= 3  # paths off the first branch were moved
 
 
-def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4):
+def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4, monkeypatch):
+    from blockdraft.costs import StepCosts
+
     prompts, truths = greedy4
+    record_draft = StepCosts.record_draft
+    # rigged costs, not the machine's: a drafter pass is measured at 10 s, so drafts never pay for it
+    monkeypatch.setattr(StepCosts, "record_draft", lambda self, b, d, s: record_draft(self, b, d, 10.0))
     proposer = DFlashProposer(random_drafter, smol, cut=True)
     states = run(smol, proposer, prompts, 16)
     for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
-    # a random drafter's confidence is low: the cut verifies short chains, and its drafts do not
-    # pay for the drafter pass, so the gate skips the pass on many steps
+    # a random drafter's confidence is low: the cut verifies short chains, and (rigged) its drafts
+    # do not pay for the drafter pass, so the gate skips the pass on many steps
     assert max(n for s in states for _, n in s.accepted_per_step) < 15
     assert proposer.gate.skipped > 0
     assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= proposer.gate.skipped

@@ -160,6 +160,16 @@ class WeightPacks:
         self._packs: dict[tuple, object] = {}  # _pack_key -> packed weight
         self._key = None
 
+    @property
+    def buckets(self) -> dict[int, str]:
+        """Row-count buckets used so far -> the kernel each runs (empty until a product ran)."""
+        return dict(self._kernels)
+
+    @property
+    def packed_weights(self) -> int:
+        """Packed copies of the weight held now (0: none made, e.g. only autograd inputs came)."""
+        return len(self._packs)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, through the bucket's kernel when the row count allows."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
