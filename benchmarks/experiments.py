@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.bench.runner import cpu_name
 from blockdraft.train.answers import prompt_of
 from blockdraft.train.data import ShardWriter, iter_samples
 from blockdraft.train.trainer import TrainConfig, Trainer
@@ -124,7 +125,7 @@ def run(name: str, cfg: TrainConfig, extra: dict, trainer: Trainer | None = None
               "minutes": round(last["elapsed"] / 60, 2), "loss": last["loss"], "tau": last.get("tau"),
               "train_samples": len(trainer.samples), "eval_prompts": cfg.eval_prompts,
               "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
-              "threads": torch.get_num_threads(), **blocks, **extra}
+              "threads": torch.get_num_threads(), "cpu": cpu_name(), **blocks, **extra}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps(result) + "\n")
