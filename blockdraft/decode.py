@@ -112,6 +112,22 @@ def _keep_logprobs(state: SequenceState, scores: list[tuple], before: int):
     del state.logprobs[len(state.output_ids):]
 
 
+def resolve_block(proposer: Proposer, requested: int | None = None, *, clamp: bool = False) -> int:
+    """The verified block (the last committed token and its drafts) a proposer runs at: the
+    requested one, else the proposer's default, else the drafter's trained size; 1 for a proposer
+    that drafts nothing. The one place where a block size is chosen and checked: `clamp` lowers a
+    request above the trained size to it (the server's --block-size) instead of refusing it."""
+    trained = proposer.max_block_size
+    if trained is None:
+        return 1
+    block = requested or proposer.default_block_size or trained
+    if clamp:
+        block = min(block, trained)
+    if not 2 <= block <= trained:
+        raise BlockdraftError(f"block size {block} must be between 2 and the drafter's trained block size {trained}")
+    return block
+
+
 def check_requests(target: Transformer, requests: list[Request], block_size: int) -> int:
     """Validate the batch; return the cache length it needs."""
     if not requests:
@@ -238,11 +254,7 @@ class DecodeLoop:
 
     def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int,
                  sort_every: int = 0, group_rows: int = 16):
-        if proposer.max_block_size is None:
-            block_size = 1
-        elif not 2 <= block_size <= proposer.max_block_size:
-            raise BlockdraftError(f"block size {block_size} must be between 2 and the drafter's "
-                                  f"trained block size {proposer.max_block_size}")
+        block_size = resolve_block(proposer, block_size)
         self.target, self.proposer, self.block_size = target, proposer, block_size
         self.slots, self.max_len = slots, max_len
         # Large batches of rows at mixed lengths: every `sort_every` steps the rows are sorted
@@ -514,9 +526,7 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     outputs accumulate in `states` (pass a list to read them), indexed like `requests`.
     `shared_prefix`: token ids many prompts start with, prefilled once (`DecodeLoop.share_prefix`).
     """
-    if proposer.max_block_size is not None and not 2 <= block_size <= proposer.max_block_size:
-        raise BlockdraftError(f"block size {block_size} must be between 2 and the drafter's "
-                              f"trained block size {proposer.max_block_size}")
+    block_size = resolve_block(proposer, block_size)
     max_len = check_requests(target, requests, block_size)
     if states is None:
         states = []

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import drafters, methods
-from .decode import Request, SequenceState, generate_steps
+from .decode import Request, SequenceState, generate_steps, resolve_block
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, load_target, load_tokenizer, stop_token_ids
@@ -249,8 +249,7 @@ class Engine:
         if proposer is None:
             proposer = self.proposer(method)
             block_size = block_size or methods.parse(method)[1]  # 'dflash@8', 'dflash-tree@32'
-        if block_size is None:
-            block_size = proposer.default_block_size or proposer.max_block_size or 1
+        block_size = resolve_block(proposer, block_size)
         rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
                               None if seed is None else seed + i, stop) for i, prompt in enumerate(batch)]
         states: list[SequenceState] = []

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from .. import methods as registry
 from ..costs import PositionAcceptance
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
+from ..decode import resolve_block
 from ..engine import Generation
 from ..errors import BlockdraftError
 from .peers import SERVER_PEERS, Peers
@@ -65,11 +66,11 @@ class Method:
 def parse_method(name: str, engine) -> Method:
     """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' | ... -> Method."""
     spec, block = registry.parse(name, include_peers=True)
-    if spec.drafter is not None:
-        trained = engine.drafter_for(spec.drafter).config.block_size
+    if spec.peer:  # (a peer's drafter, if it has one, is ours: its trained block is the default)
+        trained = engine.drafter_for(spec.drafter).config.block_size if spec.drafter is not None else 1
         size = block or spec.default_block or trained
     else:
-        size = block or spec.default_block or 1
+        size = resolve_block(engine.proposer(spec.name), block)
     return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..costs import PositionAcceptance, StepCosts
-from ..decode import DecodeLoop, SequenceState, default_sort_every
+from ..decode import DecodeLoop, SequenceState, default_sort_every, resolve_block
 from ..engine import Engine
 from ..errors import BlockdraftError
 
@@ -131,13 +131,9 @@ class Scheduler:
                  metrics=None):
         self.engine, self.method = engine, method
         self.proposer = engine.proposer(method)
-        trained = self.proposer.max_block_size or 1
-        block = min(block_size or self.proposer.default_block_size or trained, trained)
-        if self.proposer.max_block_size is not None and block < 2:
-            raise BlockdraftError(f"--block-size must be at least 2 for {method}")
+        block = resolve_block(self.proposer, block_size, clamp=True)
         self.max_model_len = max_model_len
-        self.loop = DecodeLoop(engine.target, self.proposer, max(block, 2) if trained > 1 else 1,
-                               max_batch, max_model_len + max(block, 1),
+        self.loop = DecodeLoop(engine.target, self.proposer, block, max_batch, max_model_len + block,
                                sort_every=default_sort_every(self.proposer, max_batch))
         self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
                                         estimate=self.proposer.expected_tokens)

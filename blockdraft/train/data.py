@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..datasets import PROMPT_SOURCES, contaminated, eval_fingerprints, is_validation
-from ..decode import DecodeLoop, Request, SequenceState, default_sort_every
+from ..decode import DecodeLoop, Request, SequenceState, default_sort_every, resolve_block
 from ..errors import BlockdraftError
 from ..text import chat_prompt_ids
 from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample, prompt_of
@@ -267,7 +267,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     (`DecodeLoop.share_prefix`)."""
     proposer = engine.proposer(method)
     dtype = engine.weights  # the precision (or quantized format) the target runs in
-    block = proposer.default_block_size or proposer.max_block_size or 1
+    block = resolve_block(proposer)
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
                       sort_every=default_sort_every(proposer, batch_size) if sort_every is None else sort_every)
