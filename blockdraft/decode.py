@@ -310,13 +310,15 @@ class DecodeLoop:
     def active(self) -> int:
         return self.slots - len(self.free_slots)
 
-    def release(self, key) -> bool:
-        """Free the slot of `key` (finished or cancelled); False if it holds no slot."""
+    def release(self, key) -> SequenceState | None:
+        """Free the slot of `key` (finished or cancelled); returns its row's state (None if it
+        holds no slot)."""
         for b in range(self.slots):
             if self.keys[b] == key:
+                state = self.states[b]
                 self.keys[b] = self.requests[b] = self.states[b] = None
-                return True
-        return False
+                return state
+        return None
 
     # Largest right-padded prefill forward, in tokens (rows x longest prompt): bounds its memory.
     PREFILL_TOKENS = 4096

@@ -278,8 +278,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     key, exhausted = 0, False
 
     def finish(k):
-        state = loop.states[[b for b in range(loop.slots) if loop.keys[b] == k][0]]
-        loop.release(k)
+        state = loop.release(k)
         p = pending.pop(k)
         if on_sample is not None:
             on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, sampling=sampling,
