@@ -50,7 +50,7 @@ import torch
 from blockdraft.bench.runner import cpu_name
 from blockdraft.train.answers import prompt_of
 from blockdraft.train.data import ShardWriter, iter_samples
-from blockdraft.train.trainer import TrainConfig, Trainer
+from blockdraft.train.trainer import TrainConfig, Trainer, adopt_position
 
 DATA = "data/regen/smollm2-135m-instruct"
 RESULTS = Path("data/train-logs/experiments.jsonl")
@@ -362,9 +362,7 @@ def cmd_epochs(args):
                 "limit_samples": args.samples, "feature_cache": args.feature_cache, "dtype": args.dtype}
     main_out = RUNS / f"epochs-{args.arch}-main"
     position = RESULTS.parent / "positions" / f"epochs-{args.arch}"  # committed (weights, no optimizer state)
-    if not (main_out / "checkpoint").is_dir() and (position / "state.json").is_file():
-        main_out.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(position, main_out / "checkpoint")
+    if (position / "state.json").is_file() and adopt_position(position, main_out):
         print(f"epochs: continuing from the committed position {position}", file=sys.stderr)
     cfg = TrainConfig(out=str(main_out), max_steps=1, **common(args), **settings)
     main = Trainer(cfg, resume=True, position_dir=position)

@@ -237,8 +237,9 @@ def cmd_train(args) -> int:
     resume = args.resume
     if args.resume_from:
         # the run's settings are the position's; only what a resume may change comes from the flags given
-        import shutil
         from pathlib import Path
+
+        from .train.trainer import adopt_position
 
         src = Path(args.resume_from)
         if not (src / "state.json").is_file() or not (src / "drafter").is_dir():
@@ -252,13 +253,8 @@ def cmd_train(args) -> int:
                                   f"--{', --'.join(n.replace('_', '-') for n in refused)} cannot change on a resume")
         settings = {**{k: v for k, v in state["config"].items() if k in names},
                     **{k: settings[k] for k in given & set(Trainer.SKIP_ON_RESUME)}}
-        ck = Path(settings["out"]) / "checkpoint"
-        mine = json.loads((ck / "state.json").read_text())["step"] if (ck / "state.json").is_file() else -1
-        if mine < state["step"]:
-            if ck.exists():
-                shutil.rmtree(ck)
-            shutil.copytree(src, ck)
-            print(f"train: resuming {src} (step {state['step']}) in {ck}", file=sys.stderr)
+        if adopt_position(src, Path(settings["out"])):
+            print(f"train: resuming {src} (step {state['step']}) in {settings['out']}", file=sys.stderr)
         resume = True
     elif not settings.get("data"):
         raise BlockdraftError("train needs --data (a folder of regenerated samples) or --resume-from")

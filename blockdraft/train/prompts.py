@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..datasets import MATH_TEMPLATE, contaminated, eval_fingerprints
 from ..errors import BlockdraftError
 from .answers import AnswerSampling
-from .data import ShardWriter, iter_samples, shard_paths, tidy_shards
+from .data import ShardWriter, answer_prompts, iter_samples, shard_paths, tidy_shards
 
 # Per domain, the system prompts the target writes user turns under (one is picked per
 # candidate by its id). The chat domain's first is SmolLM2's own default system prompt.
@@ -152,8 +152,6 @@ def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prom
     """Have the target write user turns of `domain` into `out_dir` until it holds `count` kept
     prompts (resumable; see the module's docstring). Math prompts are asked in the benchmark's
     math template, as the ASDiv source is."""
-    from .data import answer_prompts
-
     if domain not in DOMAINS:
         raise BlockdraftError(f"unknown domain {domain!r}; known: {', '.join(DOMAINS)}")
     if sampling.temperature <= 0:

@@ -197,6 +197,22 @@ def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
     return sorted(order[:n])
 
 
+def adopt_position(src: Path, out: Path) -> bool:
+    """Make training position `src` (state.json + drafter/, e.g. a committed --position-dir
+    folder) the checkpoint of run folder `out`, unless `out` already holds one as far or
+    further; True if it was copied."""
+    state = json.loads((src / "state.json").read_text())
+    ck = out / "checkpoint"
+    mine = json.loads((ck / "state.json").read_text())["step"] if (ck / "state.json").is_file() else -1
+    if mine >= state["step"]:
+        return False
+    if ck.exists():
+        shutil.rmtree(ck)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, ck)
+    return True
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, position_dir: str | Path | None = None):
         """`resume`: continue from OUT/checkpoint (bit for bit where it holds the optimizer state;
