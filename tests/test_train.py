@@ -202,7 +202,7 @@ def train_cli(root, out, *extra, nproc=1):
             "--max-steps", "12", "--save-every", "3", "--log-every", "1", "--eval-every", "1000",
             "--eval-prompts", "2", "--eval-max-new-tokens", "8", *extra]
     runner = [sys.executable, "-m", "blockdraft"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29517",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",  # a free port: two suites may run at once
         "-m", "blockdraft"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([*runner, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -241,7 +241,7 @@ def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
     root = tiny_corpus[0]
     proc = train_cli(root, tmp_path / "ddp", nproc=2)
     out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 0, out + err
     assert "2 process(es)" in err and "2 processes in sync" in err
     records = [json.loads(l) for l in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
