@@ -13,7 +13,7 @@ import argparse
 
 from blockdraft import Engine
 from blockdraft.bench.runner import load_prompts
-from blockdraft.proposers import DFlashProposer
+from blockdraft.proposers import DFlashTreeProposer
 
 
 def main():
@@ -32,7 +32,7 @@ def main():
         for k in (int(w) for w in args.widths.split(",")):
             lengths = []
             for rec in records:
-                proposer = DFlashProposer(engine.drafter_for("dflash"), engine.target, top_k=k)
+                proposer = DFlashTreeProposer(engine.drafter_for("dflash"), engine.target, top_k=k)
                 out = engine.generate(rec["turns"][0], chat=True, proposer=proposer, block_size=args.nodes + 1,
                                       max_new_tokens=args.max_new_tokens)
                 lengths += out.acceptance_lengths

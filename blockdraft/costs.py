@@ -6,9 +6,9 @@ CPU, `python benchmarks/cpu_peers.py`), then the arithmetic takes over. `StepCos
 measured seconds per (batch size, width); an unmeasured width is estimated from a prior
 curve scaled to the measured ones. `best_width` picks how many of a step's draft tokens to
 verify: the prefix of best-first draft nodes (a chain's tokens, a tree's nodes) with the
-most expected tokens per second. The serve policy (`serve.scheduler.SpeculationPolicy`),
-the confidence-cut chain and the cost-sized tree all use this one table. It also keeps the
-drafter pass's seconds per draft depth, so that the cut chain drafts only as deep as pays
+most expected tokens per second. The decode loop's one speculation policy
+(`blockdraft.policy`: generate, bench and serve) decides from this one table. It also keeps
+the drafter pass's seconds per draft depth, so that the policy drafts only as deep as pays
 (`best_depth`) and `DraftGate` can stop paying for drafts that do not pay.
 """
 
@@ -96,7 +96,8 @@ class PositionAcceptance:
     """Per draft position k = 1, 2, ...: how many steps drafted position k with drafts 1..k-1
     all accepted (`reached`), and how many of those accepted it. The one definition of the
     per-position acceptance rate P(draft k accepted | drafts 1..k-1 accepted): the benchmark
-    reports it, the serve policy's expected tokens per step are made of it."""
+    reports it, the speculation policy's expected tokens per step are made of it where the
+    drafter gives no probabilities."""
 
     def __init__(self, positions: int):
         self.reached = [0] * positions

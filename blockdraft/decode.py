@@ -7,15 +7,17 @@ with its own length, acceptance and stopping point.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from .costs import StepCosts, clock
+from .costs import clock
 from .errors import BlockdraftError
 from .models.transformer import KVCache, Transformer
+from .policy import SpeculationPolicy
 from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
 from .tree import DraftTree
@@ -66,8 +68,11 @@ class Step:
     total_seconds: float = 0.0
     prefill: bool = False
     batch: int = 0  # occupied slots this step
-    block_size: int = 0
+    block_size: int = 0  # tokens verified per row: the pending one and the drafts (tree nodes)
+    drafted: int = 0  # block positions the drafter pass filled (0: no pass)
     failed: dict[int, str] = field(default_factory=dict)  # request index -> why it alone was stopped
+    done: list[tuple] = field(default_factory=list)  # (key, SequenceState) of the rows released (`Batcher`)
+    rejected: dict = field(default_factory=dict)  # key -> why the loop refused to admit it (`Batcher`)
 
 
 def _emit(req: Request, state: SequenceState, tokens: list[int]) -> list[int]:
@@ -249,13 +254,16 @@ class DecodeLoop:
     Requests join free slots at any time (`admit` prefills them) and leave when they
     finish or are cancelled; `step` runs one draft -> verify -> accept round over the
     occupied slots. Rows are addressed by caller-chosen keys. Both the offline loop
-    (`generate_steps`) and the server's scheduler drive this class.
+    (`generate_steps`) and the server's scheduler drive this class. The loop owns the
+    speculation policy (`policy.SpeculationPolicy`, fixed or `adaptive`): it decides each
+    step's draft depth and verified width up to `block_size`.
     """
 
     def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int,
-                 sort_every: int = 0, group_rows: int = 16):
+                 sort_every: int = 0, group_rows: int = 16, adaptive: bool = False):
         block_size = resolve_block(proposer, block_size)
         self.target, self.proposer, self.block_size = target, proposer, block_size
+        self.policy = SpeculationPolicy(proposer, block_size, adaptive, target.device)
         self.slots, self.max_len = slots, max_len
         # Large batches of rows at mixed lengths: every `sort_every` steps the rows are sorted
         # by length (free slots last) and attention runs per `group_rows` rows, each group
@@ -268,8 +276,6 @@ class DecodeLoop:
         self.requests: list[Request | None] = [None] * slots
         self.states: list[SequenceState | None] = [None] * slots
         self.params = [SamplingParams(0.0)] * slots
-        self.costs = StepCosts()  # measured verify seconds per (batch, width)
-        proposer.costs = self.costs
         # `share_prefix`: its token ids, their keys/values and captured features (None: not shared)
         self.prefix_ids: list[int] | None = None
         self.prefix_cache: KVCache | None = None
@@ -435,11 +441,10 @@ class DecodeLoop:
         self.params = [self.params[b] for b in order]
         self.state.permute(torch.tensor(order, device=self.state.committed.device))
 
-    def step(self, block_size: int | None = None) -> Step:
+    def step(self) -> Step:
         """One draft -> verify -> accept round over slots 0..last occupied (free slots in
-        between are recomputed harmlessly at their old positions). `block_size` may differ
-        from step to step (adaptive speculation), up to the loop's."""
-        block_size = self.block_size if block_size is None else max(1, min(block_size, self.block_size))
+        between are recomputed harmlessly at their old positions); the policy decides how
+        much is drafted and verified."""
         self.steps += 1
         if self.sort_every and self.steps % self.sort_every == 0:
             self.sort_rows()
@@ -447,21 +452,23 @@ class DecodeLoop:
         if not occupied:
             return Step({}, {})
         rows = slice(0, occupied[-1] + 1)
-        n = block_size - 1
+        batch, policy = len(occupied), self.policy
         device = self.target.device
         committed, pending = self.state.committed[rows], self.state.pending[rows]
         group_rows = self.group_rows if self.sort_every else 0
         live = [self.keys[b] is not None and not self.states[b].finished for b in range(rows.stop)]
         t0 = clock(device)
-        tree = None
-        if self.proposer.drafts_trees:
-            tree = self.proposer.propose_tree(pending, committed, n, rows=rows)
+        depth = policy.plan(batch)
+        chosen = policy.select(self.proposer.propose(pending, committed, depth, rows=rows, probs=policy.wants_probs),
+                               pending, batch)
+        t1 = clock(device)
+        policy.drafted(batch, t1 - t0)
+        tree = chosen if self.proposer.drafts_trees else None
+        if tree is not None:
             block = tree.tokens
-            t1 = clock(device)
             positions, slots, mask, groups = self.state.tree_layout(tree, committed, group_rows)
         else:
-            drafts = self.proposer.propose(pending, committed, n, rows=rows)
-            t1 = clock(device)
+            drafts = chosen
             block = torch.cat([pending[:, None], drafts], dim=1)
             positions = committed[:, None] + torch.arange(block.shape[1], device=device)
             slots, mask, groups = self.state.chain_layout(positions, group_rows)
@@ -486,9 +493,8 @@ class DecodeLoop:
                 features = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))
             positions = committed[:, None] + torch.arange(path.shape[1], device=device)
         t2 = clock(device)
-        self.costs.record(len(occupied), width, t2 - t1)
-        self.proposer.verified(accepted, on_path, torch.tensor(live, device=device))
         accepted_list, bonus_list, drafts_list = accepted.tolist(), bonus.tolist(), drafts.tolist()
+        policy.verified(batch, width, t2 - t1, accepted, on_path, live, accepted_list)
         scored = self._logprobs(logits, target_ids, path, accepted_list, scoring) if scoring else {}
         drafted = width - 1
         new_ids, finished = {}, {}
@@ -512,14 +518,92 @@ class DecodeLoop:
         t3 = time.perf_counter()
         finished.update({k: True for k in failed})
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
-                    batch=len(occupied), block_size=block_size, failed=failed)
+                    batch=batch, block_size=width, drafted=policy.depth, failed=failed)
+
+
+class Batcher:
+    """Continuous batching over one `DecodeLoop`: queue -> admit -> step -> deliver.
+
+    Requests are `submit`ted under caller-chosen keys and wait in arrival order; `admit`
+    prefills as many as there are free slots (together), `decode` runs one loop step over the
+    running rows, and both release the rows that finished and hand them back in `Step.done` as
+    (key, SequenceState) pairs; `step` is both. `generate_steps`, the server's scheduler (which
+    adds only its threads, queue bound and HTTP) and regeneration all drive their loop through
+    this class."""
+
+    def __init__(self, loop: DecodeLoop):
+        self.loop = loop
+        self.waiting: collections.deque[tuple] = collections.deque()  # (key, Request, SequenceState)
+
+    def submit(self, key, request: Request, state: SequenceState | None = None) -> SequenceState:
+        state = SequenceState() if state is None else state
+        self.waiting.append((key, request, state))
+        return state
+
+    def cancel(self, key) -> SequenceState | None:
+        """Drop `key`, waiting or running; returns its state (None if unknown)."""
+        for item in self.waiting:
+            if item[0] == key:
+                self.waiting.remove(item)
+                return item[2]
+        return self.loop.release(key)
+
+    @property
+    def room(self) -> int:
+        """Requests that would be admitted now beyond those waiting (free slots not yet spoken for)."""
+        return max(0, len(self.loop.free_slots) - len(self.waiting))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.loop.active > 0
+
+    def admit(self) -> Step:
+        """Prefill waiting requests into the free slots. A batch the loop refuses (a prompt that
+        does not fit, checked before any slot changes) comes back in `Step.rejected`."""
+        items = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.loop.free_slots)))]
+        if not items:
+            return Step({}, {})
+        t0 = clock(self.loop.target.device)
+        try:
+            new_ids = self.loop.admit(items)
+        except BlockdraftError as exc:
+            return Step({}, {}, rejected={key: str(exc) for key, _, _ in items})
+        elapsed = clock(self.loop.target.device) - t0
+        finished = {key: state.finished for key, _, state in items}
+        return Step(new_ids, finished, prefill_seconds=elapsed, total_seconds=elapsed, prefill=True,
+                    done=self._release(k for k, f in finished.items() if f))
+
+    def decode(self) -> Step:
+        """One draft -> verify -> accept step over the running rows (none: an empty Step)."""
+        if not self.loop.active:
+            return Step({}, {})
+        step = self.loop.step()
+        step.done = self._release(k for k, f in step.finished.items() if f)
+        return step
+
+    def step(self) -> Step:
+        """`admit`, then `decode`, as one Step (a row admitted here may emit from both)."""
+        first, step = self.admit(), self.decode()
+        for key, ids in first.new_ids.items():
+            step.new_ids[key] = ids + step.new_ids.get(key, [])
+        step.finished = {**first.finished, **step.finished}
+        step.done, step.rejected = first.done + step.done, first.rejected
+        step.prefill_seconds += first.prefill_seconds
+        step.total_seconds += first.total_seconds
+        step.prefill = first.prefill
+        return step
+
+    def _release(self, keys) -> list[tuple]:
+        return [(key, self.loop.release(key)) for key in list(keys)]
 
 
 @torch.inference_mode()
 def generate_steps(target: Transformer, proposer: Proposer, requests: list[Request],
                    block_size: int = 16, states: list[SequenceState] | None = None,
-                   batch_size: int | None = None, shared_prefix: list[int] | None = None) -> Iterator[Step]:
-    """Run the loop over requests, yielding one `Step` per target forward.
+                   batch_size: int | None = None, shared_prefix: list[int] | None = None,
+                   adaptive: bool = False) -> Iterator[Step]:
+    """Run the loop over requests, yielding one `Step` per target forward (the first one also
+    prefills the first batch).
 
     `block_size` is the verified block length: the last committed token plus
     block_size - 1 drafts (1 for autoregressive decoding). The batch has `batch_size`
@@ -527,6 +611,7 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     waiting, the next one is prefilled into its slot (continuous batching). Final
     outputs accumulate in `states` (pass a list to read them), indexed like `requests`.
     `shared_prefix`: token ids many prompts start with, prefilled once (`DecodeLoop.share_prefix`).
+    `adaptive`: the speculation policy sizes each step by measured speed (`blockdraft.policy`).
     """
     block_size = resolve_block(proposer, block_size)
     max_len = check_requests(target, requests, block_size)
@@ -534,31 +619,10 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
         states = []
     states[:] = [SequenceState() for _ in requests]
     batch = min(batch_size or len(requests), len(requests))
-    loop = DecodeLoop(target, proposer, block_size, batch, max_len)
-    t0 = clock(target.device)
+    batcher = Batcher(DecodeLoop(target, proposer, block_size, batch, max_len, adaptive=adaptive))
     if shared_prefix:
-        loop.share_prefix(shared_prefix)
-    new_ids = loop.admit([(i, requests[i], states[i]) for i in range(batch)])
-    elapsed = clock(target.device) - t0
-    waiting = batch  # index of the next request to start
-    yield Step(new_ids, {i: states[i].finished for i in new_ids}, prefill_seconds=elapsed,
-               total_seconds=elapsed, prefill=True)
-    while loop.active:
-        step = loop.step()
-        t0 = clock(target.device)
-        for key, done in step.finished.items():
-            if done:
-                loop.release(key)
-        admitted = False
-        for _ in loop.free_slots:  # continuous batching: a free slot takes the next request
-            if waiting < len(requests):
-                new = loop.admit([(waiting, requests[waiting], states[waiting])])
-                step.new_ids.update(new)
-                step.finished.update({i: states[i].finished for i in new})
-                waiting += 1
-                admitted = True
-        extra = clock(target.device) - t0
-        if admitted:
-            step.prefill_seconds += extra
-        step.total_seconds += extra
-        yield step
+        batcher.loop.share_prefix(shared_prefix)
+    for i, (req, state) in enumerate(zip(requests, states)):
+        batcher.submit(i, req, state)
+    while batcher.busy:
+        yield batcher.step()

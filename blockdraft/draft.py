@@ -29,8 +29,7 @@ from .checkpoint import load_weights, read_config, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig, rope_settings
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
-from .models.packed import tensor_version
-from .models.quant import Int8Linear
+from .draft_head import FloatHead, Int8Head
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -339,8 +338,9 @@ class MarkovHead(nn.Module):
 class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
-    head_packs = None  # a models.packed.WeightPacks for the LM-head product, set by pack_linears
-    head_int8 = False  # score the LM-head rows from int8 copies (set by models.quant.quantize_drafter)
+    def __init__(self):
+        super().__init__()
+        self.head = FloatHead()  # how it scores its LM-head rows: a back-end it is given (`draft_head`)
 
     def reset_parameters(self, std: float = 0.02):
         """The initialisation used for training: N(0, std) projections, unit norms."""
@@ -362,39 +362,15 @@ class DrafterBase(nn.Module):
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
 
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Rows of the target's LM head the drafter scores (all, or the draft vocabulary's).
-        Outside autograd the gathered rows are kept until the head or the vocabulary changes."""
-        vocab = getattr(self, "draft_vocab", None)
-        if vocab is None:
-            return lm_head_weight
-        if torch.is_grad_enabled() and lm_head_weight.requires_grad:
-            return lm_head_weight[vocab]
-        return self._kept("_head_rows", lm_head_weight, vocab, lambda: lm_head_weight.detach()[vocab])
-
-    def _kept(self, attr: str, lm_head_weight: torch.Tensor, vocab, make):
-        """`make()`, kept in `attr` until the head or the draft vocabulary changes."""
-        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight))
-        if vocab is not None:
-            key += (vocab.data_ptr(), tensor_version(vocab))
-        cached = getattr(self, attr, None)
-        if cached is None or cached[0] != key:
-            cached = (key, make())
-            setattr(self, attr, cached)
-        return cached[1]
+        """Rows of the target's LM head the drafter scores (all, or the draft vocabulary's)."""
+        return self.head.rows(lm_head_weight, getattr(self, "draft_vocab", None))
 
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Logits [..., V'] over the draft vocabulary (V' = the target's unless a draft
-        vocabulary is set) from final hidden states [..., H]."""
+        vocabulary is set) from final hidden states [..., H], through the drafter's head
+        back-end (`draft_head`)."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, also for strided slices
-        if self.head_int8 and not torch.is_grad_enabled():
-            vocab = getattr(self, "draft_vocab", None)  # (the int8 rows only: no fp32 copy is kept)
-            head = self._kept("_head_int8", lm_head_weight, vocab, lambda: Int8Linear.from_float(
-                lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab]))
-            return head(flat).view(*hidden.shape[:-1], -1)
-        weight = self.head_weight(lm_head_weight)
-        packs = self.head_packs  # see models.packed
-        logits = packs.linear(flat, weight) if packs is not None else torch.nn.functional.linear(flat, weight)
-        return logits.view(*hidden.shape[:-1], -1)
+        return self.head.logits(flat, lm_head_weight, getattr(self, "draft_vocab", None)).view(*hidden.shape[:-1], -1)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids."""
@@ -443,7 +419,7 @@ class DrafterBase(nn.Module):
 
     def save(self, folder: str | Path, dtype: torch.dtype | None = None):
         """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
-        if self.head_int8:
+        if isinstance(self.head, Int8Head):
             raise BlockdraftError("this drafter runs from int8 copies of its weights (inference only): "
                                   "save the fp32 drafter it was made from")
         write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)

@@ -56,6 +56,23 @@ def kind(name: str) -> DrafterKind:
     return found
 
 
+def load_drafter(name: str, folder, target, *, draft_weights: str = "float", packed: bool = False):
+    """The one way a drafter is made ready to decode: a folder of kind `name` loaded in the
+    target's device and dtype, checked against the target, its linears (and LM-head rows) in
+    int8 when `draft_weights` is "int8", its products through prepacked weights when `packed`."""
+    module = kind(name).load(folder, target.device, target.dtype)
+    module.check_target(target.config)
+    if draft_weights == "int8":
+        from .models.quant import quantize_drafter
+
+        quantize_drafter(module)
+    if packed:
+        from .models.packed import pack_linears
+
+        pack_linears(module)
+    return module
+
+
 def kind_of(drafter) -> DrafterKind:
     """The kind of a drafter module (its `kind` attribute)."""
     return kind(getattr(drafter, "kind", ""))

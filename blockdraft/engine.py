@@ -20,15 +20,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import drafters, methods
-from .decode import Request, SequenceState, generate_steps, resolve_block
+from . import drafters
+from .decode import Request, SequenceState, generate_steps
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, load_target, load_tokenizer, stop_token_ids
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
-from .models.packed import pack_linears
+from .models.packed import pack_linears, packing_available
 from .proposers import Proposer
 from .sampling import SamplingParams
+from .spec import SpecConfig
 from .text import TextStream, chat_prompt_ids
 
 # Drafters shipped inside the package (package data), by (target name, drafter kind).
@@ -98,15 +99,6 @@ def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype)
     return choice
 
 
-def with_draft_weights(drafter, draft_weights: str):
-    """A freshly loaded drafter in the resolved draft weights ("float" or "int8"), in place."""
-    if draft_weights == "int8":
-        from .models.quant import quantize_drafter
-
-        quantize_drafter(drafter)
-    return drafter
-
-
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
@@ -168,26 +160,26 @@ class Engine:
 
             quantize_target(model, gguf_path() if target is None else None)
         tokenizer = load_tokenizer(folder)
-        drafter, note = None, None
-        if use_draft:
+        packed = packed and packing_available()  # (a quantized target has no fp32 linears left; drafters do)
+        if packed:
+            pack_linears(model)
+        note = None
+        if use_draft and draft is None:
+            draft = shipped_drafter(drafters.PRIMARY) if target is None else None
             if draft is None:
-                draft = shipped_drafter("dflash") if target is None else None
-                if draft is None:
-                    note = ("no trained drafter is shipped for this target yet: pass --draft DIR, "
-                            "or use --method ar")
-            if draft is not None:
-                drafter = drafters.kind("dflash").load(draft, device, dtype)
-        baseline = None
-        if eagle is not None:
-            baseline = drafters.kind("eagle3").load(eagle, device, dtype)
-        for module in (drafter, baseline):
-            if module is not None:
-                with_draft_weights(module, draft_weights)
-        if packed:  # (a quantized target has no fp32 linears left to pack; fp32 drafters do)
-            packed = sum(pack_linears(m) for m in (model, drafter, baseline) if m is not None) > 0
-        return cls(model, tokenizer, drafter, target_name=str(folder), draft_note=note, eagle=baseline,
-                   default_target=target is None, packed=packed, draft_window=draft_window,
-                   draft_weights=draft_weights)
+                note = "no trained drafter is shipped for this target yet: pass --draft DIR, or use --method ar"
+        engine = cls(model, tokenizer, None, target_name=str(folder), draft_note=note,
+                     default_target=target is None, packed=packed, draft_window=draft_window,
+                     draft_weights=draft_weights)
+        for name, path in ((drafters.PRIMARY, draft if use_draft else None), ("eagle3", eagle)):
+            if path is not None:
+                setattr(engine, drafters.kind(name).engine_slot, engine.load_drafter(name, path))
+        return engine
+
+    def load_drafter(self, kind: str, folder):
+        """A drafter folder of that kind, ready to decode with this engine's target, draft weights
+        and packing (`drafters.load_drafter`)."""
+        return drafters.load_drafter(kind, folder, self.target, draft_weights=self.draft_weights, packed=self.packed)
 
     def drafter_for(self, kind: str):
         """The loaded drafter of a kind (see `drafters.KINDS`: "dflash", "eagle3"); the one
@@ -199,12 +191,7 @@ class Engine:
                 if spec.engine_slot == "drafter" and self.draft_note:
                     raise BlockdraftError(self.draft_note)
                 raise BlockdraftError(f"method {spec.name} needs a {spec.label} for this target: pass {spec.flag} DIR")
-            module = spec.load(folder, self.target.device, self.target.dtype)
-            module.check_target(self.target.config)
-            with_draft_weights(module, self.draft_weights)
-            if self.packed:
-                pack_linears(module)
-            setattr(self, spec.engine_slot, module)
+            setattr(self, spec.engine_slot, self.load_drafter(spec.name, folder))
         return getattr(self, spec.engine_slot)
 
     # ---- prompts -------------------------------------------------------------------
@@ -222,8 +209,7 @@ class Engine:
 
     def proposer(self, method: str) -> Proposer:
         """A fresh proposer for a registered method (see `blockdraft.methods`)."""
-        spec, _ = methods.parse(method)
-        return spec.build(self)
+        return SpecConfig(method).build(self).proposer
 
     # ---- generation ----------------------------------------------------------------
 
@@ -246,17 +232,15 @@ class Engine:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        if proposer is None:
-            proposer = self.proposer(method)
-            block_size = block_size or methods.parse(method)[1]  # 'dflash@8', 'dflash-tree@32'
-        block_size = resolve_block(proposer, block_size)
+        spec = SpecConfig(method, block_size).build(self, proposer)  # 'dflash@8', 'dflash-tree@32'
+        proposer, block_size = spec.proposer, spec.block
         rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
                               None if seed is None else seed + i, stop) for i, prompt in enumerate(batch)]
         states: list[SequenceState] = []
         steps = []
         t0 = time.perf_counter()
         for step in generate_steps(self.target, proposer, [r.request for r in rows], block_size, states,
-                                   shared_prefix=shared_prefix):
+                                   shared_prefix=shared_prefix, adaptive=spec.adaptive):
             steps.append(step)
             if cancel is not None and cancel.is_set():
                 for state in states:
@@ -269,7 +253,7 @@ class Engine:
                         if delta:
                             on_text(i, delta)
         elapsed = time.perf_counter() - t0
-        results = [self._result(row, state, steps, elapsed, proposer.name, block_size)
+        results = [self._result(row, state, steps, elapsed, spec.method, block_size)
                    for row, state in zip(rows, states)]
         return results[0] if single else results
 
@@ -350,7 +334,7 @@ class Engine:
             block_size=block_size,
             prefill_seconds=sum(s.prefill_seconds for s in steps),
             draft_seconds=sum(s.draft_seconds for s in steps),
-            verify_seconds=sum(s.verify_seconds for s in steps if not s.prefill),
+            verify_seconds=sum(s.verify_seconds for s in steps),
             steps=len(lengths),
         )
 

@@ -30,6 +30,7 @@ class Method:
     peer: bool = False  # runs outside blockdraft's decode loop (benchmark only)
     speculative: bool = True  # drafts tokens (a block size applies)
     counts_drafts: bool = False  # '@N' gives the draft tokens verified per step (block = N + 1)
+    adaptive: bool = False  # the loop's speculation policy sizes each step by measured speed (blockdraft.policy)
 
 
 METHODS: dict[str, Method] = {}
@@ -58,17 +59,11 @@ def _dflash(engine):
     return DFlashProposer(engine.drafter_for("dflash"), engine.target, draft_window=engine.draft_window)
 
 
-def _dflash_cut(engine):
-    from .proposers import DFlashProposer
-
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target, cut=True, draft_window=engine.draft_window)
-
-
 def _dflash_tree(engine):
-    from .proposers import DFlashProposer
+    from .proposers import DFlashTreeProposer
 
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES,
-                          draft_window=engine.draft_window)
+    return DFlashTreeProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES,
+                              draft_window=engine.draft_window)
 
 
 TREE_TOP_K = 32  # candidates per block position a tree may branch into (measured: wider pays, see README)
@@ -83,7 +78,7 @@ def _eagle3(engine):
 
 register(Method("dflash", "the DFlash drafter: a whole block in one forward pass", _dflash, drafter="dflash"))
 register(Method("dflash-cut", "DFlash chain cut where verifying more stops paying (measured step costs)",
-                _dflash_cut, drafter="dflash"))
+                _dflash, drafter="dflash", adaptive=True))
 register(Method("dflash-tree", f"a tree of DFlash's top-{TREE_TOP_K} tokens per position, @N nodes "
                 f"verified in one pass (default {TREE_NODES})", _dflash_tree, drafter="dflash",
                 default_block=TREE_NODES + 1, counts_drafts=True))

@@ -2,19 +2,31 @@
 
 The decode loop never knows which drafter runs: it tells the proposer about
 committed tokens (`observe`) and asks for `n` draft tokens per sequence
-(`propose`). Autoregressive decoding is the proposer that drafts nothing.
+(`propose`). Autoregressive decoding is the proposer that drafts nothing. A proposer
+only drafts: how many tokens to draft and verify is the loop's speculation policy's
+choice (`blockdraft.policy`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from .costs import DraftGate, StepCosts, best_depth, best_width, clock
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models.transformer import Transformer
-from .tree import Calibration, DraftTree, build_tree
+
+
+@dataclass
+class Draft:
+    """What a proposer returns. tokens [B, n]: draft tokens for positions p+1..p+n (a chain);
+    a tree proposer's tokens [B, n, k] are the k best candidates per position, best first.
+    probs (same shape): the drafter's probability of each, when asked for and known (else None)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 class Proposer:
@@ -23,10 +35,10 @@ class Proposer:
     name = "ar"
     capture_layers: tuple[int, ...] = ()  # target layers whose features `observe` needs
     max_block_size: int | None = None  # largest block the drafter supports (None: any)
+    max_depth: int | None = None  # block positions one pass can draft (None: max_block_size - 1)
     can_permute = True  # `permute` is implemented (rows may be reordered between steps)
     default_block_size: int | None = None  # block used when none is asked for (None: the largest)
-    drafts_trees = False  # `propose_tree` instead of `propose` (see `blockdraft.tree`)
-    costs: StepCosts | None = None  # the decode loop's measured step costs (set by the loop)
+    drafts_trees = False  # `propose` returns candidates [B, n, k] (a tree is built from them)
 
     def reset(self, batch: int, max_len: int) -> None:
         """Start a new batch of `batch` sequences of at most `max_len` positions."""
@@ -39,45 +51,20 @@ class Proposer:
         positions."""
 
     def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int,
-                rows: slice = slice(None)) -> torch.Tensor:
-        """Draft tokens [B, n] for positions p+1..p+n of batch rows `rows`, given each row's
-        last committed token and its position p ([B] each)."""
-        return last_tokens.new_zeros(last_tokens.shape[0], 0)
-
-    def propose_tree(self, last_tokens: torch.Tensor, positions: torch.Tensor, nodes: int,
-                     rows: slice = slice(None)) -> DraftTree:
-        """A tree of at most `nodes` draft tokens per row below each row's last committed token
-        (proposers with `drafts_trees`)."""
-        raise NotImplementedError
-
-    def verified(self, accepted: torch.Tensor, on_path: torch.Tensor | None, live: torch.Tensor) -> None:
-        """After the verify of the last proposal: `accepted` [B] drafts per row, `on_path` [B, T]
-        the accepted tree nodes (None for a chain), `live` [B] the rows that were decoding."""
-
-    def expected_tokens(self, block: int) -> float | None:
-        """Tokens per row a step verifying `block` tokens is expected to emit, if this proposer
-        estimates it from its draft probabilities (else None: the caller measures)."""
-        return None
+                rows: slice = slice(None), probs: bool = False) -> Draft:
+        """Draft tokens for positions p+1..p+n of batch rows `rows`, given each row's last
+        committed token and its position p ([B] each); with `probs`, their probabilities
+        where the drafter has them. n may be 0 (a step without drafts): a proposer that keeps
+        context still takes in what it observed."""
+        return Draft(last_tokens.new_zeros(last_tokens.shape[0], 0))
 
     def permute(self, order: torch.Tensor) -> None:
         """Reorder the batch rows: row i becomes old row order[i] (no state here)."""
 
 
 class DFlashProposer(Proposer):
-    """Drafts a whole block in one drafter forward from the target's context features.
-
-    Three ways to use that block (methods `dflash`, `dflash-cut`, `dflash-tree`):
-    - the chain of each position's most probable token (default);
-    - `cut=True`: the same chain, cut where verifying more tokens stops paying: the length
-      with the most expected tokens per second given the (calibrated) draft probabilities
-      and the loop's measured step costs (`costs.best_width`); the pass drafts only as many
-      positions as pay on average (`costs.best_depth`, from the running mean of the calibrated
-      estimates and the measured seconds of passes of each depth; every `PROBE_EVERY`-th
-      step drafts the whole block to keep the deeper positions' estimates current); and
-      while the drafts do not pay for the drafter pass itself, the next steps skip it
-      (`costs.DraftGate`);
-    - `top_k > 1`: a tree of the `top_k` best tokens per position, grown best first up to the
-      step's node budget (`tree.build_tree`), verified in one target forward.
+    """Drafts a whole block in one drafter forward from the target's context features: each
+    position's most probable token.
 
     `draft_window` W bounds the drafter's context to the last W committed tokens (a ring
     cache): draft time and drafter memory stay flat on long contexts. "auto" (default): the
@@ -86,12 +73,8 @@ class DFlashProposer(Proposer):
 
     name = "dflash"
     can_permute = False
-    MAX_TREE_NODES = 64
-    PROBE_EVERY = 16  # cut chain: one step in this many drafts the whole block
-    SCORE_SMOOTHING = 0.1  # cut chain: weight of a step in the running mean of the estimates
 
-    def __init__(self, drafter: DFlashDrafter, target: Transformer, *, cut: bool = False, top_k: int = 1,
-                 tree_nodes: int = 16, draft_window: int | str | None = "auto"):
+    def __init__(self, drafter: DFlashDrafter, target: Transformer, *, draft_window: int | str | None = "auto"):
         drafter.check_target(target.config)
         if draft_window == "auto":
             draft_window = drafter.config.train_context
@@ -102,31 +85,6 @@ class DFlashProposer(Proposer):
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.max_block_size = drafter.config.block_size
         self.mask_token_id = drafter.config.mask_token_id
-        self.cut, self.top_k = cut, top_k
-        if top_k > 1:
-            if drafter.markov_head is not None:
-                raise BlockdraftError("this drafter has a Markov head: each draft depends on the token drafted "
-                                      "before it, so it drafts chains (dflash, dflash-cut), not trees")
-            if target.attention_chunk:
-                raise BlockdraftError(
-                    "tree verification needs float32 target weights: with quantized weights a token "
-                    "verified in a tree is not bit-identical to the same token decoded alone")
-            if target.recurrent:
-                raise BlockdraftError(
-                    "tree verification needs a target without recurrent layers: linear attention keeps one "
-                    "state per sequence, not one per tree branch (use a chain method: dflash, dflash-cut)")
-            self.name, self.drafts_trees = "dflash-tree", True
-            self.max_block_size = self.MAX_TREE_NODES + 1  # a block counts the root and the nodes
-            self.default_block_size = tree_nodes + 1
-        elif cut:
-            self.name = "dflash-cut"
-        self.gate = DraftGate() if cut and top_k == 1 else None
-        self.calibration = Calibration(drafter.config.block_size - 1, target.device)
-        self.last: DraftTree | None = None  # the last proposal, for calibration
-        self.mean_scores: torch.Tensor | None = None  # acceptance estimates of the last draft
-        # cut chain: running mean of the estimates per position (None: not drafted there yet)
-        self.score_mean: list[float | None] = [None] * (drafter.config.block_size - 1)
-        self.drafts = 0  # cut chain: drafter passes so far (for the probe schedule)
         self.cache = None
         self._pending: list[tuple] = []  # (features, positions, rows, valid) not yet in the cache
 
@@ -137,15 +95,13 @@ class DFlashProposer(Proposer):
             self.cache = self.drafter.new_cache(batch, max_len, self.draft_window)
         self.cache.clear()
         self._pending = []
-        self.last = None
-        if self.gate is not None:
-            self.gate.reset()
 
     def observe(self, tokens, features, positions, rows=slice(None), valid=None):
         self._pending.append((features, positions, rows, valid))  # projected lazily, in propose
 
-    def _block_hidden(self, last_tokens, positions, n, rows):
-        """The drafter's final hidden states [B, n, H] for positions p+1..p+n."""
+    def block_hidden(self, last_tokens, positions, n, rows):
+        """The drafter's final hidden states [B, n, H] for positions p+1..p+n (None for n = 0:
+        the observed context is taken in all the same)."""
         for features, ctx_positions, ctx_rows, valid in self._pending:
             self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows, valid)
         self._pending = []
@@ -158,67 +114,54 @@ class DFlashProposer(Proposer):
         hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache, rows=rows)
         return hidden[:, 1:]
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
-        if self.gate is not None and n > 0 and self.gate.skip():
-            n = 0
-        costs, batch = self.costs or StepCosts(), last_tokens.shape[0]
-        if self.cut and n > 0:
-            n = self._depth(n, costs, batch)
-        t0 = clock(positions.device) if self.gate is not None and n > 0 else None
-        hidden = self._block_hidden(last_tokens, positions, n, rows)
-        if hidden is None:  # speculation switched off for this step: the context is still kept
-            return last_tokens.new_zeros(last_tokens.shape[0], 0)
-        if not self.cut:
-            return self.drafter.draft_tokens(hidden, self.target.lm_head.weight, last_tokens)
-        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, 1, last_tokens)
-        tokens, probs = tokens[..., 0], probs[..., 0]
-        scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
-        self.mean_scores = scores.mean(0)
-        for k, score in enumerate(self.mean_scores.tolist()):
-            old = self.score_mean[k]
-            self.score_mean[k] = score if old is None else old + self.SCORE_SMOOTHING * (score - old)
-        keep = best_width(scores, costs, batch)
-        costs.record_draft(batch, n, clock(positions.device) - t0)
-        self.gate.update(costs.draft_pays(batch, 1.0 + float(scores[:, :keep].sum(1).mean()), keep + 1, n))
-        self.last = DraftTree.chain(last_tokens, tokens[:, :keep], probs[:, :keep])
-        return tokens[:, :keep]
-
-    def _depth(self, n: int, costs: StepCosts, batch: int) -> int:
-        """Cut chain: how many of the step's n positions to draft (`costs.best_depth`); the
-        whole block on every PROBE_EVERY-th pass and until every position has an estimate."""
-        self.drafts += 1
-        means = self.score_mean[:n]
-        if (self.drafts - 1) % self.PROBE_EVERY == 0 or None in means:
-            return n
-        return best_depth(means, costs, batch)
-
-    def propose_tree(self, last_tokens, positions, nodes, rows=slice(None)):
-        depth = min(nodes, self.drafter.config.block_size - 1)
-        hidden = self._block_hidden(last_tokens, positions, depth, rows)
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
+        hidden = self.block_hidden(last_tokens, positions, n, rows)
         if hidden is None:
-            self.last = DraftTree.chain(last_tokens, last_tokens.new_zeros(last_tokens.shape[0], 0))
-            return self.last
-        tokens, probs = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, self.top_k)
-        tree = build_tree(last_tokens, tokens, probs, nodes, self.calibration.apply(probs))
-        self.mean_scores = tree.scores[:, 1:].mean(0)
-        self.last = tree
-        return tree
+            return Draft(last_tokens.new_zeros(last_tokens.shape[0], 0))
+        head = self.target.lm_head.weight
+        if not probs:
+            return Draft(self.drafter.draft_tokens(hidden, head, last_tokens))
+        tokens, p = self.drafter.draft_candidates(hidden, head, 1, last_tokens)
+        return Draft(tokens[..., 0], p[..., 0])
 
-    def verified(self, accepted, on_path, live):
-        if self.last is None:
-            return
-        if on_path is None:  # a chain: the first `accepted` drafts and the root
-            on_path = torch.arange(self.last.size, device=accepted.device) <= accepted[:, None]
-        self.calibration.update(self.last, on_path, live)
-        self.last = None
 
-    def expected_tokens(self, block):
-        if self.cut:
-            means = self.score_mean[: block - 1]
-            return None if None in means else 1.0 + sum(means)
-        if self.mean_scores is None or not self.drafts_trees:
-            return None
-        return 1.0 + float(self.mean_scores[: block - 1].sum())
+class DFlashTreeProposer(DFlashProposer):
+    """The same drafter pass, read as a tree: the `top_k` most probable tokens of every block
+    position with their probabilities; the loop's policy grows the tree best first from them
+    (`tree.build_tree`) and verifies it in one target forward."""
+
+    name = "dflash-tree"
+    drafts_trees = True
+    MAX_TREE_NODES = 64
+
+    def __init__(self, drafter: DFlashDrafter, target: Transformer, *, top_k: int = 32, tree_nodes: int = 16,
+                 draft_window: int | str | None = "auto"):
+        if drafter.markov_head is not None:
+            raise BlockdraftError("this drafter has a Markov head: each draft depends on the token drafted "
+                                  "before it, so it drafts chains (dflash, dflash-cut), not trees")
+        if target.attention_chunk:
+            raise BlockdraftError(
+                "tree verification needs float32 target weights: with quantized weights a token "
+                "verified in a tree is not bit-identical to the same token decoded alone")
+        if target.recurrent:
+            raise BlockdraftError(
+                "tree verification needs a target without recurrent layers: linear attention keeps one "
+                "state per sequence, not one per tree branch (use a chain method: dflash, dflash-cut)")
+        if top_k < 2:
+            raise BlockdraftError(f"a tree needs at least 2 candidates per position, got top_k={top_k}")
+        super().__init__(drafter, target, draft_window=draft_window)
+        self.top_k = top_k
+        self.max_depth = drafter.config.block_size - 1
+        self.max_block_size = self.MAX_TREE_NODES + 1  # a block counts the root and the nodes
+        self.default_block_size = tree_nodes + 1
+
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=True):
+        hidden = self.block_hidden(last_tokens, positions, n, rows)
+        if hidden is None:
+            empty = last_tokens.new_zeros(last_tokens.shape[0], 0, self.top_k)
+            return Draft(empty, empty.float())
+        tokens, p = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, self.top_k)
+        return Draft(tokens, p)
 
 
 class LookupProposer(Proposer):
@@ -243,10 +186,10 @@ class LookupProposer(Proposer):
         index = positions.cpu().numpy()
         hist[np.arange(index.shape[0])[:, None], index] = tokens.cpu().numpy()
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         out = last_tokens.new_zeros(last_tokens.shape[0], n)
         if n == 0:
-            return out
+            return Draft(out)
         hist = self.history[rows]
         for b, (p, last) in enumerate(zip(positions.tolist(), last_tokens.tolist())):
             seq = hist[b, : p + 1].copy()
@@ -254,7 +197,7 @@ class LookupProposer(Proposer):
             draft = lookup_continuation(seq, n, self.max_ngram, self.min_ngram)
             if draft:
                 out[b, : len(draft)] = torch.tensor(draft)
-        return out
+        return Draft(out)
 
 
 def lookup_continuation(seq, n: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -305,7 +248,7 @@ class EagleProposer(Proposer):
         done = self.done[rows]
         done.copy_(torch.minimum(done, positions[:, 0]))  # a prefill restarts the row at 0
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         d = self.drafter
         b = last_tokens.shape[0]
         index = torch.arange(b, device=last_tokens.device)[:, None]
@@ -322,7 +265,7 @@ class EagleProposer(Proposer):
             done.copy_(positions)
         drafts = last_tokens.new_zeros(b, n)
         if n == 0:
-            return drafts
+            return Draft(drafts)
         slot = positions - 1
         hidden = fused[index[:, 0], slot][:, None]
         token = last_tokens[:, None]
@@ -337,4 +280,4 @@ class EagleProposer(Proposer):
             hidden = d.finish(hidden, q, cache_k[:, :, :used], cache_v[:, :, :used], mask)
             token = d.draft_tokens(d.norm(hidden), self.target.lm_head.weight)
             drafts[:, j] = token[:, 0]
-        return drafts
+        return Draft(drafts)

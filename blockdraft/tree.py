@@ -55,6 +55,10 @@ class DraftTree:
         probs = torch.cat([torch.ones(b, 1, device=drafts.device), probs], dim=1)
         return cls(torch.cat([last_tokens[:, None], drafts], dim=1), idx - 1, idx, probs.cumprod(1), probs)
 
+    def prefix(self, size: int) -> "DraftTree":
+        """The first `size` nodes (the root included): a tree too, since parents come first."""
+        return DraftTree(*(getattr(self, f)[:, :size] for f in ("tokens", "parents", "depths", "scores", "probs")))
+
     def visible(self) -> torch.Tensor:
         """[B, T, T] bool: node i sees node j iff j is i or one of its ancestors (computed once)."""
         return self._visible

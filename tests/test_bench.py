@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def test_per_position_acceptance_has_one_definition_for_bench_and_serve():
     hand-counted tables for the benchmark's lengths and the server's (accepted, drafted) outcomes."""
     from blockdraft.bench.runner import acceptance_stats
     from blockdraft.costs import PositionAcceptance
-    from blockdraft.serve.scheduler import SpeculationPolicy
+    from blockdraft.policy import SpeculationPolicy
+    from blockdraft.proposers import LookupProposer
 
     # block 4 (3 drafts): lengths 1, 2, 4, 4, 3 commit 0, 1, 3, 3, 2 drafts
     hist, rates = acceptance_stats([1, 2, 4, 4, 3], 4)
@@ -92,6 +94,7 @@ def test_per_position_acceptance_has_one_definition_for_bench_and_serve():
     assert acc.reached == [4, 2, 0] and acc.accepted == [3, 1, 0]
     assert acc.rates() == [3 / 4, 1 / 2, 0.0]
     assert acc.expected_tokens(3) == pytest.approx(1 + 4 / 6 + 4 / 6 * 2 / 4)  # prior (1, 1)
-    policy = SpeculationPolicy(max_block=4)
-    policy.record(1, 4, 0.1, [(0, 3), (1, 1), (1, 3), (2, 2)])
+    policy = SpeculationPolicy(LookupProposer(), 4)  # a drafter without probabilities: measured rates
+    for accepted, drafted in [(0, 3), (1, 1), (1, 3), (2, 2)]:
+        policy.verified(1, drafted + 1, 0.1, torch.tensor([accepted]), None, [True], [accepted])
     assert policy.expected_tokens(4) == pytest.approx(acc.expected_tokens(4))

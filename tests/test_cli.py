@@ -182,9 +182,9 @@ def test_an_abandoned_stream_stops_within_a_step():
     class Counting(Proposer):
         calls = 0
 
-        def propose(self, last_tokens, positions, n, rows=slice(None)):
+        def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
             Counting.calls += 1
-            return super().propose(last_tokens, positions, n, rows)
+            return super().propose(last_tokens, positions, n, rows, probs)
 
     engine = Engine.load(use_draft=False)
     stream = engine.stream("Tell me a long story about a dragon.", chat=True, method="ar", max_new_tokens=300,

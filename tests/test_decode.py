@@ -8,10 +8,10 @@ gap between the target's top-2 logits must be below 1e-4 (checked with HF).
 import pytest
 import torch
 
-from blockdraft.decode import Request, generate_steps
+from blockdraft.decode import Batcher, Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.proposers import DFlashProposer, Draft, Proposer
 
 from .conftest import computed_once
 
@@ -42,14 +42,14 @@ class RiggedProposer(DFlashProposer):
         super().__init__(drafter, target)
         self.truths, self.prompt_lens, self.right, self.vocab = truths, prompt_lens, right, vocab
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
-        drafts = super().propose(last_tokens, positions, n, rows)
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
+        drafts = super().propose(last_tokens, positions, n, rows).tokens
         for b in range(drafts.shape[0]):
             for k in range(n):
                 i = int(positions[b]) + 1 + k - self.prompt_lens[b]
                 truth = self.truths[b][i] if i < len(self.truths[b]) else 0
                 drafts[b, k] = truth if self.right is None or k < self.right else (truth + 1) % self.vocab
-        return drafts
+        return Draft(drafts)
 
 
 def run(target, proposer, prompts, block_size, max_new=N_NEW):
@@ -184,23 +184,15 @@ def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, ch
 def run_sorting(loop, reqs, must_sort=True):
     """Requests through a decode loop (continuous batching); asserts that the rows really were
     reordered (unless not `must_sort`) and returns the requests' states."""
-    from blockdraft.decode import SequenceState
-
-    states = [SequenceState() for _ in reqs]
-    waiting, sorted_once = 0, False
+    batcher = Batcher(loop)
+    states = [batcher.submit(i, req) for i, req in enumerate(reqs)]
+    sorted_once = False
     with torch.inference_mode():
-        while waiting < len(reqs) or loop.active:
-            free = len(loop.free_slots)
-            batch = [(i, reqs[i], states[i]) for i in range(waiting, min(len(reqs), waiting + free))]
-            waiting += len(batch)
-            if batch:
-                loop.admit(batch)
+        while batcher.busy:
+            batcher.admit()
             before = list(loop.keys)
-            step = loop.step()
+            batcher.decode()
             sorted_once |= loop.keys != before
-            for key, done in step.finished.items():
-                if done:
-                    loop.release(key)
     assert sorted_once or not must_sort
     return states
 

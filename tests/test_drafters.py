@@ -2,7 +2,6 @@
 new kind plugs in with one module and one `register` line (this test's toy kind)."""
 
 import pytest
-import torch
 
 from blockdraft import drafters, methods
 from blockdraft.draft import DFlashDrafter

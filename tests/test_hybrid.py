@@ -17,7 +17,7 @@ from blockdraft.decode import DecodeLoop, Request, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
-from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
+from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 
 from .test_decode import RiggedProposer, run_sorting
 
@@ -267,7 +267,7 @@ def test_a_vision_language_folder_loads_its_language_model(tmp_path, prompts):
 def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):
     target = hybrid[1]
     with pytest.raises(BlockdraftError, match="tree verification needs a target without recurrent layers"):
-        DFlashProposer(drafter, target, top_k=4)
+        DFlashTreeProposer(drafter, target, top_k=4)
     if quant.int4_available():
         with pytest.raises(BlockdraftError, match="quantized weights are not supported"):
             quant.quantize_target(target)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from blockdraft.decode import Request
 from blockdraft.engine import Engine
 from blockdraft.serve.client import ServerProcess, stream_chat
-from blockdraft.serve.scheduler import Scheduler, SpeculationPolicy
+from blockdraft.serve.scheduler import Scheduler
 
 from .test_decode import RiggedProposer
 
@@ -576,18 +576,22 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
         for _ in generate_steps(smol, Proposer(), [Request(ids, n, stop_token_ids=(2,))], 1, states):
             pass
         truths.append(states[0].output_ids)
+    from blockdraft import methods
+
     engine = Engine(smol, tokenizer, random_drafter)
-    sched = Scheduler(engine, method="dflash", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
 
     class SlotRigged(RiggedProposer):  # truths follow the request each slot serves
-        def propose(self, last_tokens, positions, n_, rows=slice(None)):
+        def propose(self, last_tokens, positions, n_, rows=slice(None), probs=False):
             which = [prompts.index(r.prompt_ids) if r is not None else None for r in sched.loop.requests]
             self.truths = [truths[i] if i is not None else [] for i in which]
             self.prompt_lens = [len(prompts[i]) if i is not None else 0 for i in which]
-            return super().propose(last_tokens, positions, n_, rows)
+            return super().propose(last_tokens, positions, n_, rows, probs)
 
-    sched.proposer = sched.loop.proposer = SlotRigged(random_drafter, smol, [], [])
-    sched.loop.proposer.reset(sched.loop.slots, sched.loop.max_len)
+    methods.register(methods.Method("rigged", "a perfect drafter", lambda e: SlotRigged(random_drafter, smol, [], [])))
+    try:
+        sched = Scheduler(engine, method="rigged", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
+    finally:
+        del methods.METHODS["rigged"]
     sched.start()
     handles = []
     for i, ids in enumerate(prompts):
@@ -602,50 +606,6 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
         assert h.state.output_ids == truth
         steps = h.state.accepted_per_step  # (accepted, drafted): whole blocks, but where the answer ended
         assert all(a == n for a, n in steps[:-1]) and len(steps) < len(truth) / 2, steps
-
-
-def test_speculation_policy_prefers_short_blocks_when_verify_is_costly():
-    p = SpeculationPolicy(8, explore=0.0)
-    for _ in range(50):  # every draft position accepted half of the time
-        p.record(2, 8, 1.0, [(0, 7), (1, 7), (2, 7), (7, 7)])
-    tau8 = p.expected_tokens(8)
-    assert 1.5 < tau8 < 3.5 and p.expected_tokens(1) == 1.0
-    for b in p.choices:  # batch 1: verify cost flat -> long blocks; batch 16: cost grows with block
-        p.record(1, b, 0.05, [])
-        p.record(16, b, 0.05 * b, [])
-    assert p.choose(1) == 8
-    assert p.choose(16) == 1
-    fixed = SpeculationPolicy(8, adaptive=False)
-    assert fixed.choose(16) == 8
-
-
-def test_speculation_policy_estimates_new_batch_sizes_instead_of_trying_every_block():
-    p = SpeculationPolicy(8, explore=0.0)
-    for _ in range(50):  # the drafter is nearly useless: long blocks never pay where verify is costly
-        p.record(2, 8, 1.0, [(0, 7)] * 9 + [(1, 7)])
-
-    def run(batch):  # verify cost grows with batch * block; returns the blocks the policy ran
-        ran = []
-        for _ in range(12):
-            b = p.choose(batch)
-            ran.append(b)
-            p.record(batch, b, 0.05 * (1 + batch * (b - 1) / 4), [(0, b - 1)] if b > 1 else [])
-        return ran
-
-    first = run(4)
-    assert sorted(set(first)) == p.choices and first[-1] == 1  # the first batch size tries everything once
-    for batch in (5, 6, 7, 9, 12, 16):  # later ones run without speculation and estimate the rest
-        assert run(batch) == [1] * 12, batch
-    assert not any(k[1] > 1 for k in p.cost if k[0] > 4)  # no speculative step was run there
-    assert p.estimated_cost(16, 8) > p.estimated_cost(16, 1) > 0
-    # where speculation does pay, a new batch size switches to it after one base step
-    q = SpeculationPolicy(8, explore=0.0)
-    q.record(1, 8, 0.05, [(7, 7)] * 20)
-    for b in (1, 2, 4):
-        q.record(1, b, 0.05, [])
-    assert q.choose(2) == 1
-    q.record(2, 1, 0.06, [])
-    assert q.choose(2) == 8
 
 
 def test_the_scheduler_serves_every_registered_method():

@@ -14,7 +14,7 @@ import blockdraft.train.blocks as blocks_mod
 from blockdraft.decode import DecodeLoop, Request, SequenceState, generate_steps
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models import load_target
-from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.proposers import DFlashProposer, Draft, Proposer
 from blockdraft.train.blocks import IGNORE, build_blocks
 from blockdraft.train.trainer import TrainConfig, Trainer
 
@@ -112,9 +112,9 @@ class LabelProposer(DFlashProposer):
         super().__init__(drafter, target)
         self.label_of = label_of
 
-    def propose(self, last_tokens, positions, n, rows=slice(None)):
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         super().propose(last_tokens, positions, n, rows)
-        return torch.tensor([self.label_of(int(positions[0]), n)])
+        return Draft(torch.tensor([self.label_of(int(positions[0]), n)]))
 
 
 def check_label_consistency(trainer, corpus_prompts, corpus_answers):
@@ -268,7 +268,7 @@ def test_eagle_training_forward_equals_the_decode_chain(tiny_corpus):
             # prefill x_0 .. x_{a-1} through the loop's own machinery, then draft 4 tokens after x_a
             loop = DecodeLoop(target, proposer, 5, 1, len(seq) + 8)
             loop.admit([(0, Request(seq[:a], 1), SequenceState())])
-            drafts = proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), 4)[0].tolist()
+            drafts = proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), 4).tokens[0].tolist()
             teacher = torch.tensor([[[seq[a]] + drafts[:3]]])
             hidden = drafter(target.embed, torch.tensor([seq]), feats, torch.tensor([[a]]), teacher)
             chain = drafter.draft_tokens(hidden[0, 1:], target.lm_head.weight).tolist()

@@ -14,7 +14,7 @@ from blockdraft import methods
 from blockdraft.costs import DraftGate, StepCosts, best_depth, best_width, prior_cost
 from blockdraft.decode import DecodeState, Request, generate_steps
 from blockdraft.errors import BlockdraftError
-from blockdraft.proposers import DFlashProposer, Proposer
+from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, Draft, Proposer
 from blockdraft.sampling import SamplingParams
 from blockdraft.tree import DraftTree, build_tree
 
@@ -171,22 +171,20 @@ def test_tree_methods_parse_and_refuse_what_they_cannot_do(smol):
 
     drafter = DFlashDrafter(DraftConfig.for_target(smol.config, num_layers=1, block_size=4, mask_token_id=0))
     with pytest.raises(BlockdraftError, match="float32"):
-        DFlashProposer(drafter, Chunked(), top_k=2)
-    DFlashProposer(drafter, Chunked(), cut=True)  # a cut chain keeps the chain's layout: allowed
+        DFlashTreeProposer(drafter, Chunked(), top_k=2)
+    DFlashProposer(drafter, Chunked())  # a (cut) chain keeps the chain's layout: allowed
 
 
-class RiggedTree(DFlashProposer):
+class RiggedTree(DFlashTreeProposer):
     """Runs the real drafter (the context-feature path is exercised), then replaces its candidates:
     the true continuation at rank `rank` of k (None: absent), with probabilities `probs`."""
 
     def __init__(self, drafter, target, truths, prompt_lens, rank, probs=(0.9, 0.06, 0.04)):
         super().__init__(drafter, target, top_k=len(probs))
         self.truths, self.prompt_lens, self.rank, self.probs = truths, prompt_lens, rank, probs
-        self.trees = []
 
-    def propose_tree(self, last_tokens, positions, nodes, rows=slice(None)):
-        depth = min(nodes, self.drafter.config.block_size - 1)
-        self._block_hidden(last_tokens, positions, depth, rows)
+    def propose(self, last_tokens, positions, depth, rows=slice(None), probs=True):
+        self.block_hidden(last_tokens, positions, depth, rows)
         b, k = last_tokens.shape[0], len(self.probs)
         cands = torch.zeros(b, depth, k, dtype=torch.long)
         for row in range(b):
@@ -197,17 +195,15 @@ class RiggedTree(DFlashProposer):
                 if self.rank is not None:
                     wrong.insert(self.rank, truth)
                 cands[row, d] = torch.tensor(wrong[:k])
-        probs = torch.tensor(self.probs).expand(b, depth, k)
-        tree = build_tree(last_tokens, cands, probs, nodes)
-        self.trees.append(tree)
-        return tree
+        return Draft(cands, torch.tensor(self.probs).expand(b, depth, k))
 
 
-def run(target, proposer, prompts, block, max_new=N_NEW, stop=(2,)):
+def run(target, proposer, prompts, block, max_new=N_NEW, stop=(2,), adaptive=False, steps=None):
     states = []
     reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=stop) for p in prompts]
-    for _ in generate_steps(target, proposer, reqs, block, states):
-        pass
+    for step in generate_steps(target, proposer, reqs, block, states, adaptive=adaptive):
+        if steps is not None:
+            steps.append(step)
     return states
 
 
@@ -249,7 +245,7 @@ def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_d
 def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol, hf_smol, random_drafter,
                                                                           greedy4):
     prompts, truths = greedy4
-    proposer = DFlashProposer(random_drafter, smol, top_k=4)
+    proposer = DFlashTreeProposer(random_drafter, smol, top_k=4)
     states = run(smol, proposer, prompts, 33)
     for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"random tree row {k}")
@@ -314,17 +310,18 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4, m
     record_draft = StepCosts.record_draft
     # rigged costs, not the machine's: a drafter pass is measured at 10 s, so drafts never pay for it
     monkeypatch.setattr(StepCosts, "record_draft", lambda self, b, d, s: record_draft(self, b, d, 10.0))
-    proposer = DFlashProposer(random_drafter, smol, cut=True)
-    states = run(smol, proposer, prompts, 16)
+    steps = []
+    states = run(smol, DFlashProposer(random_drafter, smol), prompts, 16, adaptive=True, steps=steps)
     for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
     # a random drafter's confidence is low: the cut verifies short chains, and (rigged) its drafts
     # do not pay for the drafter pass, so the gate skips the pass on many steps
     assert max(n for s in states for _, n in s.accepted_per_step) < 15
-    assert proposer.gate.skipped > 0
-    assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= proposer.gate.skipped
+    passes = [s.drafted for s in steps]
+    assert passes.count(0) > 0
+    assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= passes.count(0)
     # the pass drafts the whole block on probes only, shallower (as deep as pays) in between
-    depths = {d for _, d in proposer.costs.draft}
+    depths = set(passes) - {0}
     assert 15 in depths and min(depths) < 15
 
 
@@ -345,7 +342,7 @@ def tree_counts(target, proposer, params, nodes, n=3000, batch=500):
 def test_tree_samples_follow_the_target_distribution(tiny, params):  # noqa: F811
     hf, target, drafter = tiny
     dist = exact_distribution(hf, params)
-    proposer = DFlashProposer(drafter, target, top_k=3)
+    proposer = DFlashTreeProposer(drafter, target, top_k=3)
     stat, critical = chi_square(dist, tree_counts(target, proposer, params, 6))
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
 
@@ -370,7 +367,7 @@ def test_the_test_rejects_descending_into_the_most_probable_child(tiny, monkeypa
         return right(self, rigged)
 
     monkeypatch.setattr(DraftTree, "accept", most_probable_child)
-    stat, critical = chi_square(dist, tree_counts(target, DFlashProposer(drafter, target, top_k=3), params, 6))
+    stat, critical = chi_square(dist, tree_counts(target, DFlashTreeProposer(drafter, target, top_k=3), params, 6))
     assert stat > critical, "the chi-square test fails to catch descending into the most probable child"
 
 
@@ -380,10 +377,10 @@ def test_a_seed_gives_the_same_tokens_with_trees_cuts_and_without(tiny):  # noqa
         reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
             params.temperature, params.top_p, params.top_k, seed=s)) for s in range(40)]
         outs = {}
-        for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashProposer(drafter, target, top_k=3), 9),
-                                      ("cut", DFlashProposer(drafter, target, cut=True), 4)]:
+        for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashTreeProposer(drafter, target, top_k=3), 9),
+                                      ("cut", DFlashProposer(drafter, target), 4)]:
             states = []
-            for _ in generate_steps(target, proposer, reqs, block, states):
+            for _ in generate_steps(target, proposer, reqs, block, states, adaptive=name == "cut"):
                 pass
             outs[name] = [s.output_ids for s in states]
         assert outs["ar"] == outs["tree"] == outs["cut"]

@@ -28,9 +28,9 @@ from tqdm import tqdm
 from .. import methods as registry
 from ..costs import PositionAcceptance
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
-from ..decode import resolve_block
 from ..engine import Generation
 from ..errors import BlockdraftError
+from ..spec import SpecConfig
 from .peers import SERVER_PEERS, Peers
 from .stats import chi2_homogeneity
 
@@ -70,7 +70,7 @@ def parse_method(name: str, engine) -> Method:
         trained = engine.drafter_for(spec.drafter).config.block_size if spec.drafter is not None else 1
         size = block or spec.default_block or trained
     else:
-        size = resolve_block(engine.proposer(spec.name), block)
+        size = SpecConfig(spec.name, block).build(engine).block
     return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)
 
 

@@ -234,15 +234,17 @@ def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_
                  kernel: str | None = None) -> int:
     """Swap the fp32 CPU `nn.Linear`s of `model` for `PackedLinear`s; returns how many.
     `kernel` forces one kernel (`KERNELS`) instead of the fastest measured.
-    A module that multiplies by a weight outside an `nn.Linear` (a drafter's share of the
-    target's LM head) declares a `head_packs` attribute, which gets a `WeightPacks`.
+    A drafter's product with its rows of the target's LM head (outside any `nn.Linear`) gets a
+    `draft_head.PackedHead` over a `WeightPacks` of its own.
     Does nothing (returns 0) where no kernel besides `F.linear` is available."""
     if not packing_available():
         return 0
+    from ..draft_head import FloatHead, PackedHead
+
     swapped = 0
     for parent in list(model.modules()):
-        if hasattr(parent, "head_packs"):
-            parent.head_packs = WeightPacks(sizes, min_rows, kernel)
+        if type(getattr(parent, "head", None)) is FloatHead:
+            parent.head = PackedHead(WeightPacks(sizes, min_rows, kernel))
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
@@ -253,10 +255,12 @@ def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo `pack_linears` (frees the packed copies); returns how many were restored."""
+    from ..draft_head import FloatHead, PackedHead
+
     restored = 0
     for parent in list(model.modules()):
-        if hasattr(parent, "head_packs"):
-            parent.head_packs = None
+        if isinstance(getattr(parent, "head", None), PackedHead):
+            parent.head = FloatHead()
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
                 setattr(parent, name, _linear_sharing(nn.Linear, child))

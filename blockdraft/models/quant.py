@@ -150,7 +150,9 @@ def quantize_drafter(drafter: nn.Module) -> int:
                     raise BlockdraftError("int8 drafter weights run on CPU (torch's int8 CPU kernel)")
                 setattr(parent, name, Int8Linear.from_float(child.weight, child.bias))
                 swapped += 1
-    drafter.head_int8 = True
+    from ..draft_head import Int8Head
+
+    drafter.head = Int8Head()
     return swapped
 
 

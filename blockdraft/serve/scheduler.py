@@ -3,14 +3,14 @@
 Requests wait in a bounded queue; between two verify steps the scheduler drops
 cancelled requests, prefills waiting ones into free slots, runs one step over the
 running batch and hands every request its newly accepted tokens at once. The
-speculation policy picks each step's block size from the running batch size.
+loop's speculation policy (`blockdraft.policy`, adaptive unless `--speculation fixed`)
+sizes each step from the measured costs at the running batch size.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from ..costs import PositionAcceptance, StepCosts
-from ..decode import DecodeLoop, SequenceState, default_sort_every, resolve_block
+from ..decode import Batcher, DecodeLoop, SequenceState, default_sort_every
 from ..engine import Engine
 from ..errors import BlockdraftError
+from ..spec import SpecConfig
 
 
 class QueueFull(BlockdraftError):
@@ -53,90 +53,17 @@ class Handle:
         return self.state.finished or self.cancelled or self.error is not None
 
 
-class SpeculationPolicy:
-    """Chooses the block size of each step from the running batch size.
-
-    It keeps the measured seconds of a step per (batch size, block size) and the
-    per-position acceptance rates of the drafter, and picks the block size with the
-    most expected tokens per second: batch * E[tokens per row | B] / t(batch, B), where
-    E[tokens | B] = 1 + sum_k prod_{j<=k} p_j. The first batch size seen tries every
-    block size once. A new batch size first runs without speculation; the other block
-    sizes' costs are then estimated from their cost relative to no speculation at the
-    nearest batch size where both were measured, and a block is only run (and so
-    measured) there when its estimate makes it the best. A small fraction of steps
-    re-measures a neighbour of the best. A proposer that estimates its own expected tokens
-    from its draft probabilities (trees, cut chains: `Proposer.expected_tokens`) is asked
-    instead of the per-position rates; for a tree the block size is its node budget plus one.
-    """
-
-    def __init__(self, max_block: int, adaptive: bool = True, explore: float = 0.05, seed: int = 0,
-                 estimate: Callable[[int], float | None] | None = None):
-        self.max_block = max_block
-        self.adaptive = adaptive and max_block > 1
-        self.choices = (sorted({1, *[b for b in (2, 4, 8, 16, 32, 64) if b < max_block], max_block})
-                        if max_block > 1 else [1])
-        self.explore = explore
-        self.rng = random.Random(seed)
-        self.costs = StepCosts()  # EMA of whole-step seconds (drafting included) per (batch, block)
-        self.estimate = estimate
-        self.acceptance = PositionAcceptance(max_block)
-
-    @property
-    def cost(self) -> dict[tuple[int, int], float]:
-        return self.costs.seconds
-
-    def expected_tokens(self, block: int) -> float:
-        estimated = self.estimate(block) if self.estimate is not None and block > 1 else None
-        if estimated is not None:
-            return estimated
-        return self.acceptance.expected_tokens(block)
-
-    def choose(self, batch: int) -> int:
-        if not self.adaptive:
-            return self.max_block
-        costs = {b: self.estimated_cost(batch, b) for b in self.choices}
-        untried = [b for b, c in costs.items() if c is None]
-        if untried:
-            if (batch, 1) not in self.cost and any(k > 1 and (b, 1) in self.cost for b, k in self.cost):
-                return 1  # a new batch size: measure the base cost, estimate the rest from it
-            return untried[-1]  # longest first: that is the default behaviour
-        best = max(self.choices, key=lambda b: self.expected_tokens(b) / costs[b])
-        if self.rng.random() < self.explore:
-            i = self.choices.index(best) + self.rng.choice((-1, 1))
-            return self.choices[min(max(i, 0), len(self.choices) - 1)]
-        return best
-
-    def estimated_cost(self, batch: int, block: int) -> float | None:
-        """Seconds of a (batch, block) step: measured, else the block's cost relative to no
-        speculation at the nearest batch size where both were measured, times this batch
-        size's measured cost without speculation; None when neither is known."""
-        if (batch, block) in self.cost:
-            return self.cost[(batch, block)]
-        base = self.cost.get((batch, 1))
-        known = [b for (b, k) in self.cost if k == block and (b, 1) in self.cost]
-        if base is None or not known:
-            return None
-        near = min(known, key=lambda b: (abs(b - batch), b))
-        return base * self.cost[(near, block)] / self.cost[(near, 1)]
-
-    def record(self, batch: int, block: int, seconds: float, outcomes: list[tuple[int, int]]):
-        self.costs.record(batch, block, seconds)
-        for accepted, drafted in outcomes:
-            self.acceptance.record(accepted, drafted)
-
-
 class Scheduler:
     def __init__(self, engine: Engine, *, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
                  max_model_len: int = 2048, block_size: int | None = None, adaptive: bool = True,
                  metrics=None):
         self.engine, self.method = engine, method
-        self.proposer = engine.proposer(method)
-        block = resolve_block(self.proposer, block_size, clamp=True)
+        spec = SpecConfig(method, block_size, adaptive=adaptive or None, clamp=True).build(engine)
+        self.proposer, block = spec.proposer, spec.block
         self.max_model_len = max_model_len
         self.loop = DecodeLoop(engine.target, self.proposer, block, max_batch, max_model_len + block,
-                               sort_every=default_sort_every(self.proposer, max_batch))
-        self.policy = SpeculationPolicy(self.loop.block_size, adaptive=adaptive,
-                                        estimate=self.proposer.expected_tokens)
+                               sort_every=default_sort_every(self.proposer, max_batch), adaptive=spec.adaptive)
+        self.batcher = Batcher(self.loop)  # queue -> admit -> step -> deliver; this class adds threads and bounds
         engine.target.warm_up(max_batch * self.loop.block_size)  # one-off costs out of the policy's timings
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics
@@ -148,7 +75,6 @@ class Scheduler:
         self.stopped = threading.Event()  # set when the loop has returned
         self.ids = itertools.count()
         self.thread: threading.Thread | None = None  # the thread that steps the loop, once started
-        self.last_block = self.loop.block_size
 
     # ---- public, any thread ----------------------------------------------------------
 
@@ -236,68 +162,61 @@ class Scheduler:
                     self.stopped.set()
                     return
                 for h in [h for h in self.running.values() if h.cancelled]:
-                    self.loop.release(h.id)
+                    self.batcher.cancel(h.id)
                     del self.running[h.id]
                     self._finish(h)
-                while self.waiting and self.waiting[0].cancelled:
-                    self._finish(self.waiting.popleft())
                 admit = []
-                while self.waiting and len(admit) < len(self.loop.free_slots):
+                while self.waiting and len(admit) < self.batcher.room:
                     h = self.waiting.popleft()
                     if h.cancelled:
                         self._finish(h)
                     else:
                         admit.append(h)
+                        self.running[h.id] = h  # (`running` is read by other threads: shutdown, metrics)
+            for h in admit:
+                self.batcher.submit(h.id, h.row.request, h.state)
             try:
-                self._advance(admit)
+                self._advance()
             except Exception as exc:  # a bug must not hang every client: fail the batch, keep serving
                 with self.cond:
-                    failed = admit + list(self.running.values())
+                    failed = list(self.running.values())
                     self.running.clear()
                 for h in failed:
                     h.error = f"internal error: {type(exc).__name__}: {exc}"
-                    self.loop.release(h.id)
+                    self.batcher.cancel(h.id)
                     self._finish(h)
 
     @torch.inference_mode()  # (grad mode is per thread: the loop's own, as in `generate_steps`)
-    def _advance(self, admit: list[Handle]):
-        if admit:
-            try:
-                new = self.loop.admit([(h.id, h.row.request, h.state) for h in admit])
-            except BlockdraftError as exc:  # checked before any slot changes: only these fail
-                for h in admit:
-                    h.error, h.error_status = str(exc), 400
-                    self._finish(h)
-                new = {}
-            else:
-                with self.cond:  # `running` is read by other threads (shutdown, metrics)
-                    for h in admit:
-                        self.running[h.id] = h
-            self._deliver(new)
+    def _advance(self):
+        admitted = self.batcher.admit()
+        for key, why in admitted.rejected.items():  # checked before any slot changed: only these fail
+            with self.cond:
+                h = self.running.pop(key)
+            h.error, h.error_status = why, 400
+            self._finish(h)
+        self._deliver(admitted)
         if not self.running:
             return
-        batch = len(self.running)
-        block = self.policy.choose(batch)
-        self.last_block = block
-        step = self.loop.step(block)
-        outcomes = [self.running[k].state.accepted_per_step[-1] for k in step.new_ids if k in self.running]
-        self.policy.record(batch, block, step.total_seconds, outcomes)
+        step = self.batcher.decode()
         if self.metrics is not None:
-            self.metrics.observe_step(batch, block, outcomes)
-        self._deliver({**step.new_ids, **{k: [] for k in step.failed}})
+            outcomes = [self.running[k].state.accepted_per_step[-1] for k in step.new_ids if k in self.running]
+            self.metrics.observe_step(step.batch, step.block_size, outcomes)
+        self._deliver(step)
 
-    def _deliver(self, new_ids: dict):
+    def _deliver(self, step):
+        """Hand each request of a step its news: new tokens, its end (released by the batcher), or
+        its own failure (its sampling: the batch went on)."""
         now = time.perf_counter()
-        for key in new_ids:
+        done = dict(step.done)
+        for key in {**step.new_ids, **step.failed, **done}:
             h = self.running.get(key)
             if h is None:
                 continue
             if h.first_token_at is None and h.state.output_ids:
                 h.first_token_at = now
-            if h.state.error:  # this request alone failed (its sampling): the batch went on
+            if h.state.error:
                 h.error, h.error_status = f"this request failed: {h.state.error}", 400
-            if h.state.finished:
-                self.loop.release(key)
+            if key in done:
                 with self.cond:
                     del self.running[key]
                 self._finish(h)

@@ -25,10 +25,11 @@ import torch
 from tqdm import tqdm
 
 from ..datasets import PROMPT_SOURCES, contaminated, eval_fingerprints, is_validation
-from ..decode import DecodeLoop, Request, SequenceState, default_sort_every, resolve_block
+from ..decode import Batcher, DecodeLoop, Request, default_sort_every
 from ..errors import BlockdraftError
+from ..spec import SpecConfig
 from ..text import chat_prompt_ids
-from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample, prompt_of
+from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample
 from .remote import RemoteTarget, answer_prompts_remote
 
 SHARD_SIZE = 1000
@@ -265,20 +266,21 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     sorts of the rows by length (default: `decode.default_sort_every`). `share_prefix`: prefill
     the chat template's common start once and copy it into each prompt that begins with it
     (`DecodeLoop.share_prefix`)."""
-    proposer = engine.proposer(method)
+    spec = SpecConfig(method).build(engine)
+    proposer, block = spec.proposer, spec.block
     dtype = engine.weights  # the precision (or quantized format) the target runs in
-    block = resolve_block(proposer)
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
-                      sort_every=default_sort_every(proposer, batch_size) if sort_every is None else sort_every)
+                      sort_every=default_sort_every(proposer, batch_size) if sort_every is None else sort_every,
+                      adaptive=spec.adaptive)
     if share_prefix:
         loop.share_prefix(template_prefix_ids(engine.tokenizer))
+    batcher = Batcher(loop)
     stats, t0 = RegenStats(), time.perf_counter()
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
 
-    def finish(k):
-        state = loop.release(k)
+    def finish(k, state):
         p = pending.pop(k)
         if on_sample is not None:
             on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, sampling=sampling,
@@ -289,34 +291,25 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 
     while True:
         stats.seconds = time.perf_counter() - t0
-        out_of_time = (seconds is not None and stats.seconds >= seconds) or (until is not None and until(stats))
-        free = len(loop.free_slots)
-        items = []
-        while free > len(items) and not exhausted and not out_of_time:
+        if (seconds is not None and stats.seconds >= seconds) or (until is not None and until(stats)):
+            break  # rows still running are dropped
+        while batcher.room and not exhausted:  # free slots take the next prompts
             p = next(prompts, None)
             if p is None:
                 exhausted = True
                 break
-            req = Request(p["prompt_ids"], max_new_tokens, sampling.params(p["id"]), stop)
-            items.append((key, req, SequenceState()))
+            batcher.submit(key, Request(p["prompt_ids"], max_new_tokens, sampling.params(p["id"]), stop))
+            stats.prompt_tokens += len(p["prompt_ids"])
             pending[key] = p
             key += 1
-        if items:
-            for k, new in loop.admit(items).items():
-                stats.tokens += len(new)
-            stats.prompt_tokens += sum(len(req.prompt_ids) for _, req, _ in items)
-            for k, _, state in items:
-                if state.finished:
-                    finish(k)
-        if not loop.active or out_of_time:
+        if not batcher.busy:
             break
-        step = loop.step()
+        step = batcher.step()
         stats.steps += 1
         for k, new in step.new_ids.items():
             stats.tokens += len(new)
-        for k, done in step.finished.items():
-            if done:
-                finish(k)
+        for k, state in step.done:
+            finish(k, state)
         stats.timeline.append((time.perf_counter() - t0, stats.tokens, stats.prompt_tokens, stats.written))
         if bar is not None:
             bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - t0):.0f}", rows=loop.active)

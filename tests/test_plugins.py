@@ -1,0 +1,54 @@
+"""A new decoding method plugs in with one proposer class and one `register` line: generate,
+the adaptive policy and the server's scheduler all find it in the registry (this test's
+toy proposer: drafts the last token again and again)."""
+
+import time
+
+import pytest
+import torch
+
+from blockdraft import methods
+from blockdraft.engine import Engine
+from blockdraft.proposers import Draft, Proposer
+
+
+class RepeatProposer(Proposer):
+    """Drafts n copies of each row's last committed token (a toy: right only on repetitions)."""
+
+    name = "repeat"
+    max_block_size = 6
+
+    def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
+        return Draft(last_tokens[:, None].expand(-1, n).clone())
+
+
+@pytest.fixture
+def repeat_method():
+    method = methods.register(methods.Method("repeat", "drafts the last token again", lambda e: RepeatProposer()))
+    methods.register(methods.Method("repeat-adaptive", "the same, sized by measured speed",
+                                    lambda e: RepeatProposer(), adaptive=True))
+    yield method
+    del methods.METHODS["repeat"], methods.METHODS["repeat-adaptive"]
+
+
+def test_a_toy_proposer_generates_and_serves_through_the_registry(smol, tokenizer, chat_ids, repeat_method):
+    from blockdraft.serve.scheduler import Scheduler
+
+    engine = Engine(smol, tokenizer)
+    prompts = [chat_ids[0], chat_ids[3]]
+    want = [g.token_ids for g in engine.generate(prompts, method="ar", max_new_tokens=24)]
+    assert "repeat" in methods.names() and "repeat[@B]" in methods.help_text()
+    for name in ("repeat@4", "repeat-adaptive"):
+        gens = engine.generate(prompts, method=name, max_new_tokens=24)
+        assert [g.token_ids for g in gens] == want, name
+        assert all(g.method == name.split("@")[0] for g in gens)
+    assert gens[0].block_size == 6  # no @B: the proposer's largest block
+    with torch.inference_mode():
+        sched = Scheduler(engine, method="repeat", max_batch=2, max_queue=2, max_model_len=256)
+    sched.start()
+    handles = [sched.submit(engine.make_row(p, 24), lambda h: None) for p in prompts]
+    deadline = time.time() + 300
+    while not all(h.done for h in handles) and time.time() < deadline:
+        time.sleep(0.02)
+    sched.shutdown(grace=5)
+    assert [h.state.output_ids for h in handles] == want

@@ -1,0 +1,58 @@
+"""The one speculation policy: its choices from rigged costs and acceptance (no timing)."""
+
+import torch
+
+from blockdraft.policy import SpeculationPolicy
+from blockdraft.proposers import Draft, LookupProposer
+
+
+def verify(policy, batch, width, seconds, accepted):
+    """One verify of `width` tokens per row, rows accepting `accepted` drafts each."""
+    policy.verified(batch, width, seconds, torch.tensor(accepted), None, [True] * len(accepted), accepted)
+
+
+def test_fixed_drafts_and_verifies_the_whole_block():
+    policy = SpeculationPolicy(LookupProposer(max_block_size=8), 8)
+    assert policy.plan(1) == 7 and not policy.wants_probs
+    tokens = torch.arange(14).view(2, 7)
+    assert torch.equal(policy.select(Draft(tokens), torch.zeros(2, dtype=torch.long), 2), tokens)
+
+
+def test_adaptive_drafts_deep_where_verify_is_cheap_and_stops_where_drafts_do_not_pay():
+    """A drafter without probabilities (prompt lookup): measured acceptance per position, every
+    position accepted half of the time. Batch 1: verifying 8 tokens costs what 1 does, so the
+    whole block pays. Batch 16: every verified token costs a step, so a draft never pays for
+    itself; after such a step the next one skips the drafter pass."""
+    policy = SpeculationPolicy(LookupProposer(max_block_size=8), 8, adaptive=True)
+    for _ in range(40):
+        verify(policy, 1, 8, 0.05, [0, 1, 2, 7])
+    for w in range(1, 9):
+        policy.costs.record(1, w, 0.05)
+        policy.costs.record(16, w, 0.05 * w)
+        policy.costs.record_draft(1, w - 1 or 1, 0.001)
+        policy.costs.record_draft(16, w - 1 or 1, 0.001)
+    assert 1.5 < policy.expected_tokens(8) < 3.5 and policy.expected_tokens(1) == 1.0
+    assert policy.plan(1) == 7  # the first pass probes the whole block
+    assert policy.plan(1) == 7  # and so does the best depth here
+    depth = policy.plan(16)
+    assert 1 <= depth < 7  # as deep as pays: the verify cost grows with every token
+    policy.select(Draft(torch.zeros(16, depth, dtype=torch.long)), torch.zeros(16, dtype=torch.long), 16)
+    verify(policy, 16, depth + 1, 0.05 * (depth + 1), [0] * 16)
+    assert policy.plan(16) == 0  # that draft did not pay: the next step skips the pass
+    assert policy.plan(16) > 0  # (backing off one step at first)
+
+
+def test_adaptive_cuts_each_chain_by_its_calibrated_probabilities():
+    """A drafter with probabilities: verifying costs a step per token beyond the first (rigged),
+    so a row keeps only the drafts whose cumulative probability pays for them."""
+    policy = SpeculationPolicy(LookupProposer(max_block_size=5), 5, adaptive=True)
+    for w in range(1, 6):
+        policy.costs.record(2, w, 0.01 * (1 + 0.5 * (w - 1)))
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    probs = torch.tensor([[0.99, 0.99, 0.99, 0.99], [0.99, 0.05, 0.05, 0.05]])
+    chosen = policy.select(Draft(tokens, probs), torch.zeros(2, dtype=torch.long), 2)
+    # one width for the batch: the one with the most expected tokens per second over both rows
+    gains = {n: 2 + float(torch.cumprod(probs, 1)[:, :n].sum()) for n in range(5)}
+    best = max(gains, key=lambda n: (gains[n] / (0.01 * (1 + 0.5 * n)), -n))
+    assert chosen.shape == (2, best) and torch.equal(chosen, tokens[:, :best])
+    assert policy.expected_tokens(5) > 1.0  # the running estimates took the probabilities in
