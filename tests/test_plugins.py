@@ -1,6 +1,8 @@
-"""A new decoding method plugs in with one proposer class and one `register` line: generate,
-the adaptive policy and the server's scheduler all find it in the registry (this test's
-toy proposer: drafts the last token again and again)."""
+"""Plug-ins: a new decoding method is one proposer class and one `register` line (generate, the
+adaptive policy and the server's scheduler find it in the registry; this test's toy proposer
+drafts the last token again and again); a new target family is one model class and one
+`register` line (a toy Llama with its own checkpoint names). The toy drafter kind is in
+test_drafters.py."""
 
 import time
 
@@ -9,6 +11,7 @@ import torch
 
 from blockdraft import methods
 from blockdraft.engine import Engine
+from blockdraft.models.transformer import Transformer
 from blockdraft.proposers import Draft, Proposer
 
 
@@ -52,3 +55,41 @@ def test_a_toy_proposer_generates_and_serves_through_the_registry(smol, tokenize
         time.sleep(0.02)
     sched.shutdown(grace=5)
     assert [h.state.output_ids for h in handles] == want
+
+
+class RenamedLlama(Transformer):
+    """A toy family: a Llama whose checkpoint calls its layers `blocks.N` instead of `model.layers.N`."""
+
+    @staticmethod
+    def from_hf_weights(weights):
+        return Transformer.from_hf_weights({k.replace("blocks.", "model.layers."): v for k, v in weights.items()})
+
+
+def test_a_toy_target_family_loads_through_the_registry(tmp_path):
+    """One model class and one `register` line: `load_target` builds the toy family from its own
+    config and checkpoint names, and its logits are HF's for the same weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from blockdraft.models import families, load_target
+
+    from .conftest import save_tiny_hf
+
+    hf = save_tiny_hf("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "renamed_llama"}))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    save_file({k.replace("model.layers.", "blocks."): v for k, v in weights.items()}, str(tmp_path / "w.safetensors"))
+    families.register(families.Family("renamed_llama", f"{__name__}:RenamedLlama"))
+    try:
+        ours = load_target(tmp_path)
+    finally:
+        del families.FAMILIES["renamed_llama"]
+    assert type(ours) is RenamedLlama and ours.config.model_type == "renamed_llama"
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits[0]
+        h, _ = ours(ids, torch.arange(ids.shape[1])[None])
+    torch.testing.assert_close(ours.logits(h)[0], ref, atol=1e-4, rtol=1e-4)

@@ -7,15 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BlockdraftError
-
-# model_type -> (q/k/v projections have a bias, q/k RMSNorm per head)
-ARCHITECTURES = {
-    "llama": (None, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (None, True),
-    "qwen3_5_text": (None, True),
-}
+from .families import FAMILIES
 
 # vision-language model_type -> its language model's (whose config is nested as `text_config`)
 MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
@@ -74,31 +66,15 @@ class TargetConfig:
             raw = {**raw["text_config"], "model_type": MULTIMODAL[model_type],
                    "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
             model_type = raw["model_type"]
-        if model_type not in ARCHITECTURES:
+        family = FAMILIES.get(model_type)
+        if family is None:
             moe = " (mixture-of-experts targets are not supported yet)" if model_type in MIXTURE_OF_EXPERTS else ""
-            known = ", ".join(sorted({*ARCHITECTURES, *MULTIMODAL}))
+            known = ", ".join(sorted({*FAMILIES, *MULTIMODAL}))
             raise BlockdraftError(f"unsupported architecture {model_type!r}{moe}; supported: {known}")
-        fixed_bias, qk_norm = ARCHITECTURES[model_type]
-        bias = fixed_bias if fixed_bias is not None else bool(raw.get("attention_bias", False))
+        bias = family.qkv_bias if family.qkv_bias is not None else bool(raw.get("attention_bias", False))
         theta, scaling = rope_settings(raw, 10000.0)
         heads = raw["num_attention_heads"]
-        window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            window = None
-        if model_type == "qwen3" and not raw.get("use_sliding_window", False):
-            window = None
-        hybrid = {}
-        if model_type == "qwen3_5_text":
-            hybrid = {k: raw[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                          "linear_value_head_dim", "linear_conv_kernel_dim")}
-            interval = raw.get("full_attention_interval", 4)  # HF's default layout: every 4th layer is full
-            hybrid["layer_types"] = list(raw.get("layer_types") or [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                for i in range(raw["num_hidden_layers"])])
-            rope = raw.get("rope_parameters") or {}
-            hybrid["partial_rotary_factor"] = float(rope.get("partial_rotary_factor",
-                                                             raw.get("partial_rotary_factor", 0.25)))
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -113,11 +89,11 @@ class TargetConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=qk_norm,
+            qk_norm=family.qk_norm,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=window,
-            **hybrid,
+            sliding_window=raw.get("sliding_window"),
         )
+        return cls(**{**fields, **family.extra(raw)})
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "TargetConfig":

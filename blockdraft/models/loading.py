@@ -11,21 +11,8 @@ from safetensors import safe_open
 from ..errors import BlockdraftError
 from .config import TargetConfig
 from .layers import Rotary
-from .qwen3_5 import Qwen3_5
+from .families import FAMILIES
 from .transformer import Transformer
-
-# model_type (HF config.json) -> the model class that implements the target interface
-# (`forward(tokens, positions, cache, slots=, mask=)`, `new_cache`, `commit`, `logits`,
-# `embed`, and `from_hf_weights` to map an HF checkpoint onto its parameters). A new
-# family is one file with its class plus one line here (and its config flags in config.py).
-FAMILIES: dict[str, type] = {
-    "llama": Transformer,
-    "mistral": Transformer,
-    "qwen2": Transformer,
-    "qwen3": Transformer,
-    "qwen3_5_text": Qwen3_5,
-}
-
 
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -53,9 +40,7 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     if not folder.is_dir():
         raise BlockdraftError(f"target model folder not found: {folder}")
     cfg = TargetConfig.from_folder(folder)
-    family = FAMILIES.get(cfg.model_type)
-    if family is None:
-        raise BlockdraftError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    family = FAMILIES[cfg.model_type].model_class()  # (TargetConfig refuses a model_type with no family)
     device = torch.device(device or "cpu")
     dtype = dtype or torch.float32
     with torch.device("meta"):
