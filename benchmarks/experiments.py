@@ -50,7 +50,8 @@ import torch
 from blockdraft.bench.runner import cpu_name
 from blockdraft.train.answers import prompt_of
 from blockdraft.train.data import ShardWriter, iter_samples
-from blockdraft.train.trainer import TrainConfig, Trainer, adopt_position
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import Trainer, adopt_position
 
 DATA = "data/regen/smollm2-135m-instruct"
 RESULTS = Path("data/train-logs/experiments.jsonl")

@@ -21,7 +21,8 @@ import time
 import torch
 
 from blockdraft.engine import shipped_drafter
-from blockdraft.train.trainer import TrainConfig, Trainer
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import Trainer
 
 SETTINGS = {
     "dflash": dict(block_size=8, num_layers=3, num_anchors=32, init="target-last-fc"),

@@ -207,7 +207,7 @@ def _add_train_args(p: argparse.ArgumentParser):
     """One flag per TrainConfig field (--block-size, --num-anchors, ...): help and defaults from the dataclass."""
     import dataclasses
 
-    from .train.trainer import TrainConfig
+    from .train.config import TrainConfig
 
     for f in dataclasses.fields(TrainConfig):
         if f.name == "extra":
@@ -230,7 +230,8 @@ def _add_train_args(p: argparse.ArgumentParser):
 def cmd_train(args) -> int:
     import dataclasses
 
-    from .train.trainer import TrainConfig, Trainer
+    from .train.config import TrainConfig
+    from .train.trainer import Trainer
 
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
     settings = {k: v for k, v in vars(args).items() if k in names}

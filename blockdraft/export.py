@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import read_config, write_model_folder
-from .draft import PUBLISHED_KEYS, DFlashDrafter
+from .draft import DFlashDrafter
+from .draft_config import PUBLISHED_KEYS
 from .errors import BlockdraftError
 
 # the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)

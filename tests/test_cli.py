@@ -205,7 +205,7 @@ def test_train_flags_document_every_setting_and_keep_its_defaults(capsys):
     import dataclasses
 
     from blockdraft.cli import _add_train_args
-    from blockdraft.train.trainer import TrainConfig
+    from blockdraft.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="train")
     _add_train_args(parser)

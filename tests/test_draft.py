@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from blockdraft.draft import DFlashDrafter, DraftConfig, build_target_layer_ids
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.draft_config import build_target_layer_ids
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.config import TargetConfig
 

@@ -274,7 +274,7 @@ def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe", "text_config": {}}')
     with pytest.raises(BlockdraftError, match="unsupported architecture 'qwen3_5_moe' .mixture-of-experts"):
         load_target(tmp_path)
-    from blockdraft.train.trainer import init_from_target
+    from blockdraft.train.init import init_from_target
 
     with pytest.raises(BlockdraftError, match="use --init random"):
         init_from_target(drafter, target, "target-last")

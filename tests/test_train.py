@@ -16,7 +16,8 @@ from blockdraft.draft import DFlashDrafter
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Draft, Proposer
 from blockdraft.train.blocks import IGNORE, build_blocks
-from blockdraft.train.trainer import TrainConfig, Trainer
+from blockdraft.train.config import TrainConfig
+from blockdraft.train.trainer import Trainer
 
 from .conftest import save_tiny_hf
 
@@ -167,10 +168,10 @@ def buggy_blocks(bug):
 
 @pytest.mark.parametrize("bug", ["labels shifted by one", "context visible at the anchor"])
 def test_the_consistency_checks_catch_the_classic_bugs(tiny_corpus, tmp_path, monkeypatch, bug):
-    import blockdraft.train.trainer as trainer_mod
+    import blockdraft.train.loss as loss_mod
 
     root, _, prompts, answers = tiny_corpus
-    monkeypatch.setattr(trainer_mod, "build_blocks", buggy_blocks(bug))
+    monkeypatch.setattr(loss_mod, "build_blocks", buggy_blocks(bug))
     monkeypatch.setattr(sys.modules[__name__], "build_blocks", buggy_blocks(bug))
     trainer = Trainer(tiny_config(root, tmp_path / "run"))
     with pytest.raises(AssertionError):
@@ -324,7 +325,7 @@ def test_target_forward_can_stop_at_the_deepest_captured_layer(tiny_corpus):
 
 
 def test_learning_rate_schedules():
-    from blockdraft.train.trainer import lr_at
+    from blockdraft.train.config import lr_at
 
     cos = TrainConfig(data="", out="", max_steps=100, lr=1.0, warmup_frac=0.1)
     wsd = TrainConfig(data="", out="", max_steps=100, lr=1.0, warmup_frac=0.1, schedule="wsd", decay_frac=0.2)
@@ -340,7 +341,7 @@ def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(ti
     hard-label loss."""
     import torch.nn.functional as F
 
-    from blockdraft.train.trainer import weighted_loss
+    from blockdraft.train.loss import weighted_loss
 
     root = tiny_corpus[0]
     trainer = Trainer(tiny_config(root, tmp_path / "run", distill=1.0))
@@ -459,7 +460,7 @@ def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp
 def test_teacher_forced_acceptance(tiny_corpus, tmp_path):
     """accepted_lengths counts the verify step's tokens exactly; an untrained drafter's
     teacher-forced τ is about 1 and its statistics cover every labelled draft position."""
-    from blockdraft.train.trainer import accepted_lengths
+    from blockdraft.train.loss import accepted_lengths
 
     right = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     assert accepted_lengths(right).tolist() == [4, 1, 2, 3, 1]
@@ -514,7 +515,7 @@ def test_a_wsd_decay_branch_equals_a_separate_run_of_its_length(tiny_corpus, tmp
 def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
     """weighted_loss keeps a small head's logits for backward and recomputes a large one's:
     loss, gradient and counts are bit-identical either way (soft labels included)."""
-    import blockdraft.train.trainer as trainer_mod
+    import blockdraft.train.loss as loss_mod
 
     g = torch.Generator().manual_seed(0)
     n, h, v, b = 3000, 64, 500, 8
@@ -522,9 +523,9 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
     y, k, w = torch.randint(0, v, (n,), generator=g), torch.randint(0, b, (n,), generator=g), torch.rand(n, generator=g)
     results = []
     for threshold in (0, 1 << 40):
-        monkeypatch.setattr(trainer_mod, "REMAT_LOGITS_ABOVE", threshold)
+        monkeypatch.setattr(loss_mod, "REMAT_LOGITS_ABOVE", threshold)
         hidden = h0.clone().requires_grad_()
-        loss, correct, _ = trainer_mod.weighted_loss(hidden, head, y, w, k, b, 1024, teacher=teacher, distill=0.5)
+        loss, correct, _ = loss_mod.weighted_loss(hidden, head, y, w, k, b, 1024, teacher=teacher, distill=0.5)
         loss.backward()
         results.append((loss.detach(), hidden.grad, correct))
     assert all(torch.equal(a, b) for a, b in zip(*results))

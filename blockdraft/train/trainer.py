@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,170 +30,15 @@ import torch.nn.functional as F
 
 from ..decode import Request, generate_steps
 from .. import drafters
-from ..draft import loss_decay_gamma
+from ..draft_config import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
 from .blocks import IGNORE, build_blocks
+from .config import TrainConfig, lr_at
 from .data import data_folders, iter_samples
 from .features import sequence_key
 from .init import init_from_target
-
-
-def _opt(default, help: str):
-    """A TrainConfig field with its `blockdraft train --help` text (the one place it is documented)."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class TrainConfig:
-    data: str = field(metadata={"help": "folder of regenerated shards (`blockdraft data regenerate`), or several "
-                                        "separated by commas"})
-    out: str = field(metadata={"help": "run folder: checkpoint/, drafter/, metrics.jsonl"})
-    target: str | None = _opt(None, "target model folder (default: the default target)")
-    block_size: int = _opt(8, "trained block: the drafter runs at this block or any smaller one")
-    num_layers: int = _opt(3, "drafter decoder layers")
-    target_layer_ids: list[int] | None = _opt(None, "target layers whose hidden states feed the drafter "
-                                                    "(default: the published formula)")
-    mask_token_id: int | None = _opt(None, "token id of the block's mask positions (default: the default target's)")
-    num_anchors: int = _opt(32, "blocks per sequence, opened at random anchors inside the answer")
-    anchor_mode: str = _opt("random", "random | fixed (block boundaries, for the ablation)")
-    gamma: float | None = _opt(None, "loss decay over block positions (default: the recipe's value for the block "
-                                     "size; 0: no decay)")
-    arch: str = _opt("dflash", "dflash | eagle3 (the EAGLE-3-style baseline, same data and pipeline)")
-    context_mode: str = _opt("kv", "kv (context injected in every layer) | input (first layer only, for the ablation)")
-    sliding_window: int | None = _opt(None, ">0: drafter layers see the context within this window")
-    full_layers: list[int] | None = _opt(None, "with --sliding-window: these drafter layers keep full attention")
-    batch_size: int = _opt(4, "sequences per step per process")
-    max_seq_len: int = _opt(512, "longest training sequence (prompt + answer), in tokens")
-    max_steps: int = _opt(1000, "optimizer steps")
-    lr: float = _opt(6e-4, "peak learning rate (AdamW)")
-    schedule: str = _opt("cosine", "cosine (to min_lr) | wsd (warmup, constant, linear decay over --decay-frac)")
-    warmup_frac: float = _opt(0.04, "warmup as a fraction of --max-steps")
-    warmup_steps: int = _opt(0, ">0: this many warmup steps, whatever --max-steps (runs of several lengths then "
-                                "share their first steps exactly, e.g. WSD branches)")
-    decay_frac: float = _opt(0.2, "wsd: the final fraction of steps that decays to the floor")
-    min_lr_frac: float = _opt(0.0, "the schedule's floor, as a fraction of --lr")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    grad_clip: float = _opt(1.0, "gradient norm clipping (0: none)")
-    markov_rank: int = _opt(0, ">0: a DSpark-style Markov head of this rank on the DFlash drafter (each draft "
-                               "position's logits corrected by the token before it; 256 in DSpark)")
-    distill: float = _opt(0.0, "weight of the soft-label loss (the target's own distribution); 0: hard labels only")
-    dtype: str = _opt("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
-    init_from: str | None = _opt(None, "start from this drafter folder's weights (e.g. the shipped drafter); "
-                                       "its shapes must match the other settings")
-    seed: int = _opt(0, "seed of every random choice (data order, anchors, init)")
-    eval_every: int = _opt(200, "steps between held-out tau evaluations in the decode loop (0: at the last step only)")
-    eval_prompts: int = _opt(8, "held-out prompts of that evaluation")
-    eval_max_new_tokens: int = _opt(64, "new tokens per held-out prompt in that evaluation")
-    save_every: int = _opt(100, "steps between checkpoints (--resume continues from the last one)")
-    log_every: int = _opt(10, "steps between metrics lines (the loop's only host syncs)")
-    lm_head_chunk: int = _opt(1024, "block positions per LM-head chunk in the loss (memory vs speed)")
-    init: str = _opt("random", "random | target-first | target-last | target-last-fc (layers copied from the "
-                               "target; see init_from_target)")
-    draft_vocab: int = _opt(0, ">0: the drafter scores only the N most frequent answer tokens (0: all)")
-    limit_samples: int | None = _opt(None, "train on the first N training samples only")
-    feature_cache: str | None = _opt(None, "folder: the target's features kept on disk across epochs "
-                                           "(pays from the second epoch)")
-    extra: dict = field(default_factory=dict)
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    warmup = cfg.warmup_steps or max(1, int(cfg.warmup_frac * cfg.max_steps))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    floor = cfg.lr * cfg.min_lr_frac
-    if cfg.schedule == "wsd":
-        decay = max(1, int(cfg.decay_frac * cfg.max_steps))
-        start = cfg.max_steps - decay
-        return cfg.lr if step < start else floor + (cfg.lr - floor) * max(0.0, (cfg.max_steps - step) / decay)
-    if cfg.schedule != "cosine":
-        raise BlockdraftError(f"--schedule must be cosine or wsd, not {cfg.schedule!r}")
-    progress = (step - warmup) / max(1, cfg.max_steps - warmup)
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-REMAT_LOGITS_ABOVE = 1 << 26  # logits elements of a step (256 MB in fp32)
-
-
-def previous_tokens(batch) -> torch.Tensor:
-    """[N, A*B]: the sequence's token just before each block position (teacher forcing: what a
-    Markov head conditions on when every earlier draft of the block was right)."""
-    return batch.tokens.gather(1, (batch.block_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
-
-
-def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
-                  teacher=None, distill: float = 0.0, markov=None):
-    """Chunked LM head + weighted cross-entropy over labelled block positions.
-
-    `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
-    not in it; such labels count as misses and carry no hard-label loss). `teacher` [same
-    shape as hidden]: the target's final hidden states that predict each label; with
-    `distill` > 0 the loss mixes in the cross-entropy against the target's distribution over
-    the scored vocabulary: (1 - distill) * hard + distill * soft. `markov`: (a Markov head, the
-    token before each position [same shape as labels]): its correction is added to the logits.
-    Returns (loss, per-offset correct counts, per-offset totals), all on the hidden states' device."""
-    keep = labels != IGNORE
-    h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
-    head_bias, prev = (markov[0], markov[1][keep]) if markov is not None else (None, None)
-    t = teacher[keep] if teacher is not None and distill > 0 else None
-    w_hard = w
-    if to_draft is not None:
-        y = to_draft[y]
-        w_hard = torch.where(y >= 0, w, torch.zeros_like(w))
-        y = y.clamp(min=0)
-    total = h.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(block_size, dtype=torch.long, device=h.device)
-    count = torch.bincount(k, minlength=block_size)
-    # Recompute each chunk's logits in backward only when keeping them all would be large (a full
-    # vocabulary): with a draft vocabulary they are kept, saving a third of the head's cost.
-    remat = h.shape[0] * lm_head_weight.shape[0] > REMAT_LOGITS_ABOVE
-    for s in range(0, h.shape[0], chunk):
-        part_slice = slice(s, s + chunk)
-
-        def part(hc, tc=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
-            logits = F.linear(hc, lm_head_weight).float()
-            if pc is not None:
-                logits = logits + head_bias(pc).float()
-            ce = F.cross_entropy(logits, yc, reduction="none")
-            if tc is None:
-                return ce, logits.argmax(-1)
-            soft = torch.softmax(F.linear(tc, lm_head_weight).float(), -1)
-            soft_ce = -(soft * torch.log_softmax(logits, -1)).sum(-1)
-            return ce, logits.argmax(-1), soft_ce
-        args = (h[part_slice],) if t is None else (h[part_slice], t[part_slice])
-        if remat:
-            out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
-        else:
-            out = part(*args)
-        ce, pred = out[0], out[1]
-        chunk_loss = (ce * w_hard[part_slice]).sum()
-        if t is not None:
-            chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
-        total = total + chunk_loss
-        hit = (pred == y[part_slice]) & (w_hard[part_slice] > 0) if to_draft is not None else pred == y[part_slice]
-        correct += torch.bincount(k[part_slice][hit], minlength=block_size)
-    norm = w.sum() if t is not None else w_hard.sum()
-    return total / norm.clamp(min=1e-6), correct, count
-
-
-def accepted_lengths(right: torch.Tensor) -> torch.Tensor:
-    """Per block, the tokens one verify step would commit: 1 (the target's own next token) plus
-    the draft positions right before the first wrong one. right [blocks, B-1] (bool)."""
-    return 1 + right.long().cumprod(-1).sum(-1)
-
-
-def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
-    """The draft vocabulary: the `n` most frequent answer tokens; ties and any shortfall are
-    filled from prompt-token frequency, then by id (deterministic)."""
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for seq in answers:
-        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
-    prompt = torch.zeros(vocab_size, dtype=torch.float64)
-    for seq in prompts:
-        prompt += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
-    score = counts * (prompt.sum() + 1) + prompt  # answers first, prompts break ties
-    order = sorted(range(vocab_size), key=lambda i: (-float(score[i]), i))
-    return sorted(order[:n])
+from .loss import accepted_lengths, frequent_tokens, previous_tokens, weighted_loss
 
 
 def adopt_position(src: Path, out: Path) -> bool:

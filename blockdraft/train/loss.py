@@ -1,0 +1,94 @@
+"""The training loss (a chunked LM head and weighted cross-entropy over block positions, hard
+labels and / or the target's distribution, a Markov head's correction), the accepted lengths
+the per-position hits stand for, and the draft vocabulary it is scored over."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import IGNORE
+
+
+REMAT_LOGITS_ABOVE = 1 << 26  # logits elements of a step (256 MB in fp32)
+
+
+def previous_tokens(batch) -> torch.Tensor:
+    """[N, A*B]: the sequence's token just before each block position (teacher forcing: what a
+    Markov head conditions on when every earlier draft of the block was right)."""
+    return batch.tokens.gather(1, (batch.block_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
+
+
+def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
+                  teacher=None, distill: float = 0.0, markov=None):
+    """Chunked LM head + weighted cross-entropy over labelled block positions.
+
+    `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
+    not in it; such labels count as misses and carry no hard-label loss). `teacher` [same
+    shape as hidden]: the target's final hidden states that predict each label; with
+    `distill` > 0 the loss mixes in the cross-entropy against the target's distribution over
+    the scored vocabulary: (1 - distill) * hard + distill * soft. `markov`: (a Markov head, the
+    token before each position [same shape as labels]): its correction is added to the logits.
+    Returns (loss, per-offset correct counts, per-offset totals), all on the hidden states' device."""
+    keep = labels != IGNORE
+    h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
+    head_bias, prev = (markov[0], markov[1][keep]) if markov is not None else (None, None)
+    t = teacher[keep] if teacher is not None and distill > 0 else None
+    w_hard = w
+    if to_draft is not None:
+        y = to_draft[y]
+        w_hard = torch.where(y >= 0, w, torch.zeros_like(w))
+        y = y.clamp(min=0)
+    total = h.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(block_size, dtype=torch.long, device=h.device)
+    count = torch.bincount(k, minlength=block_size)
+    # Recompute each chunk's logits in backward only when keeping them all would be large (a full
+    # vocabulary): with a draft vocabulary they are kept, saving a third of the head's cost.
+    remat = h.shape[0] * lm_head_weight.shape[0] > REMAT_LOGITS_ABOVE
+    for s in range(0, h.shape[0], chunk):
+        part_slice = slice(s, s + chunk)
+
+        def part(hc, tc=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
+            logits = F.linear(hc, lm_head_weight).float()
+            if pc is not None:
+                logits = logits + head_bias(pc).float()
+            ce = F.cross_entropy(logits, yc, reduction="none")
+            if tc is None:
+                return ce, logits.argmax(-1)
+            soft = torch.softmax(F.linear(tc, lm_head_weight).float(), -1)
+            soft_ce = -(soft * torch.log_softmax(logits, -1)).sum(-1)
+            return ce, logits.argmax(-1), soft_ce
+        args = (h[part_slice],) if t is None else (h[part_slice], t[part_slice])
+        if remat:
+            out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
+        else:
+            out = part(*args)
+        ce, pred = out[0], out[1]
+        chunk_loss = (ce * w_hard[part_slice]).sum()
+        if t is not None:
+            chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
+        total = total + chunk_loss
+        hit = (pred == y[part_slice]) & (w_hard[part_slice] > 0) if to_draft is not None else pred == y[part_slice]
+        correct += torch.bincount(k[part_slice][hit], minlength=block_size)
+    norm = w.sum() if t is not None else w_hard.sum()
+    return total / norm.clamp(min=1e-6), correct, count
+
+
+def accepted_lengths(right: torch.Tensor) -> torch.Tensor:
+    """Per block, the tokens one verify step would commit: 1 (the target's own next token) plus
+    the draft positions right before the first wrong one. right [blocks, B-1] (bool)."""
+    return 1 + right.long().cumprod(-1).sum(-1)
+
+
+def frequent_tokens(answers, prompts, n: int, vocab_size: int) -> list[int]:
+    """The draft vocabulary: the `n` most frequent answer tokens; ties and any shortfall are
+    filled from prompt-token frequency, then by id (deterministic)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq in answers:
+        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    prompt = torch.zeros(vocab_size, dtype=torch.float64)
+    for seq in prompts:
+        prompt += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    score = counts * (prompt.sum() + 1) + prompt  # answers first, prompts break ties
+    order = sorted(range(vocab_size), key=lambda i: (-float(score[i]), i))
+    return sorted(order[:n])
