@@ -21,7 +21,8 @@ from typing import Callable, Iterator
 import torch
 
 from . import drafters
-from .decode import Request, SequenceState, generate_steps
+from .batcher import generate_steps
+from .decode import Request, SequenceState
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, load_target, load_tokenizer, stop_token_ids

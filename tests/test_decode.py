@@ -8,7 +8,8 @@ gap between the target's top-2 logits must be below 1e-4 (checked with HF).
 import pytest
 import torch
 
-from blockdraft.decode import Batcher, Request, generate_steps
+from blockdraft.batcher import Batcher, generate_steps
+from blockdraft.decode import Request
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Draft, Proposer

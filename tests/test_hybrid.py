@@ -13,11 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockdraft.decode import DecodeLoop, Request, generate_steps
+from blockdraft.batcher import generate_steps
+from blockdraft.decode import DecodeLoop, Request
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
-from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
+from blockdraft.proposers import (
+    DFlashProposer,
+    DFlashTreeProposer,
+    LookupProposer,
+    Proposer,
+)
 
 from .test_decode import RiggedProposer, run_sorting
 

@@ -7,11 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockdraft.decode import Request, generate_steps
-from blockdraft.models import load_target
-from blockdraft.models import quant
+from blockdraft.batcher import generate_steps
+from blockdraft.decode import Request
+from blockdraft.models import load_target, quant
 from blockdraft.models.default import default_target_dir, gguf_path
-from blockdraft.models.layers import attend_chunked, chunked_attention_is_exact, chunked_mask
+from blockdraft.models.layers import (
+    attend_chunked,
+    chunked_attention_is_exact,
+    chunked_mask,
+)
 from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams, target_probs
 

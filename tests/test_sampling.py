@@ -7,12 +7,19 @@ import pytest
 import torch
 
 import blockdraft.decode as decode_mod
+from blockdraft.batcher import generate_steps
 from blockdraft.bench.stats import chi2_goodness_of_fit
-from blockdraft.decode import Request, generate_steps
+from blockdraft.decode import Request
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Proposer
-from blockdraft.sampling import SamplingParams, kept_tokens, position_uniforms, sample_tokens, target_probs
+from blockdraft.sampling import (
+    SamplingParams,
+    kept_tokens,
+    position_uniforms,
+    sample_tokens,
+    target_probs,
+)
 
 from .conftest import save_tiny_hf
 
@@ -139,8 +146,11 @@ def test_a_seed_gives_the_same_tokens_with_and_without_speculation(tiny):
 
 
 def test_target_probs_match_hf_logits_warpers():
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     for t, k, p in [(1.0, 0, 1.0), (0.5, 7, 1.0), (1.5, 0, 0.6), (0.8, 10, 0.9)]:

@@ -231,7 +231,7 @@ def test_decode_loop_logprobs_on_tree_paths_and_rows_that_did_not_ask(hf_smol):
     """In the loop itself, with the shipped drafter's trees (a path of several nodes accepted per
     step): a row that asks gets HF's log-softmax and top 2 at each token; the row beside it, which
     did not ask, gets no scores and exactly the tokens it gets in a batch where nobody asks."""
-    from blockdraft.decode import generate_steps
+    from blockdraft.batcher import generate_steps
 
     engine = Engine.load()
     prompts = [engine.encode(p, chat=True) for p in ("Count to ten.", "Name three colours.")]
@@ -565,7 +565,7 @@ def test_second_signal_and_taken_port():
 def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, random_drafter, chat_ids):
     """In process: requests joining a running batch at different steps, with a drafter
     rigged to propose the true continuation (whole blocks accepted) - same tokens."""
-    from blockdraft.decode import generate_steps
+    from blockdraft.batcher import generate_steps
     from blockdraft.proposers import Proposer
 
     n = 20
@@ -732,7 +732,7 @@ def test_a_row_whose_sampling_fails_is_stopped_alone_and_the_batch_goes_on(smol,
     """Per-row fault isolation: a request whose own sampling raises (parameters that slipped past
     the API's checks) ends with an error for that request alone, at its first token and mid-way;
     the rows beside it give exactly their greedy answers."""
-    from blockdraft.decode import generate_steps
+    from blockdraft.batcher import generate_steps
     from blockdraft.proposers import Proposer
 
     n = 12

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import blockdraft.train.blocks as blocks_mod
-from blockdraft.decode import DecodeLoop, Request, SequenceState, generate_steps
+from blockdraft.batcher import generate_steps
+from blockdraft.decode import DecodeLoop, Request, SequenceState
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Draft, Proposer
@@ -168,10 +169,10 @@ def buggy_blocks(bug):
 
 @pytest.mark.parametrize("bug", ["labels shifted by one", "context visible at the anchor"])
 def test_the_consistency_checks_catch_the_classic_bugs(tiny_corpus, tmp_path, monkeypatch, bug):
-    import blockdraft.train.loss as loss_mod
+    import blockdraft.train.trainer as trainer_mod
 
     root, _, prompts, answers = tiny_corpus
-    monkeypatch.setattr(loss_mod, "build_blocks", buggy_blocks(bug))
+    monkeypatch.setattr(trainer_mod, "build_blocks", buggy_blocks(bug))
     monkeypatch.setattr(sys.modules[__name__], "build_blocks", buggy_blocks(bug))
     trainer = Trainer(tiny_config(root, tmp_path / "run"))
     with pytest.raises(AssertionError):

@@ -11,15 +11,16 @@ import torch
 
 import blockdraft.tree as tree_mod
 from blockdraft import methods
+from blockdraft.batcher import generate_steps
 from blockdraft.costs import DraftGate, StepCosts, best_depth, best_width, prior_cost
-from blockdraft.decode import DecodeState, Request, generate_steps
+from blockdraft.decode import DecodeState, Request
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, Draft, Proposer
 from blockdraft.sampling import SamplingParams
 from blockdraft.tree import DraftTree, build_tree
 
 from .test_decode import assert_same_or_tie, hf_greedy  # noqa: F401
-from .test_sampling import CASES, L, PROMPT, chi_square, exact_distribution, tiny  # noqa: F401
+from .test_sampling import CASES, PROMPT, L, chi_square, exact_distribution, tiny  # noqa: F401
 
 N_NEW = 24
 VOCAB = 49152

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..decode import Batcher, DecodeLoop, SequenceState, default_sort_every
+from ..batcher import Batcher
+from ..decode import DecodeLoop, SequenceState, default_sort_every
 from ..engine import Engine
 from ..errors import BlockdraftError
 from ..spec import SpecConfig

@@ -24,8 +24,9 @@ from typing import Iterable, Iterator
 import torch
 from tqdm import tqdm
 
+from ..batcher import Batcher
 from ..datasets import PROMPT_SOURCES, contaminated, eval_fingerprints, is_validation
-from ..decode import Batcher, DecodeLoop, Request, default_sort_every
+from ..decode import DecodeLoop, Request, default_sort_every
 from ..errors import BlockdraftError
 from ..spec import SpecConfig
 from ..text import chat_prompt_ids

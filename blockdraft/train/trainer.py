@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..decode import Request, generate_steps
 from .. import drafters
+from ..batcher import generate_steps
+from ..decode import Request
 from ..draft_config import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
