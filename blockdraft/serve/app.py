@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import time
 import uuid
 
@@ -23,83 +22,13 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import BlockdraftError
 from ..sampling import MAX_TOP_K
+from .checks import (MAX_TOP_LOGPROBS, UNSUPPORTED, ApiError, ClientGone, check_field, check_number, check_stops,
+                     check_text)
 from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("blockdraft.serve")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
-
-
-# fields of OpenAI's API this server does not implement, with the values that mean "not used"
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-               "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
-               "logit_bias": (None, {}), "best_of": (None, 1)}
-MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds: top_logprobs (chat), logprobs (legacy)
-
-
-class ClientGone(ApiError):
-    """The client went away (an ordinary event: logged at INFO in one line, counted as status 499)."""
-
-    def __init__(self, when: str):
-        super().__init__(499, f"client disconnected {when}")
-        log.info("client disconnected %s", when)
-
-
-# ---- request checking ------------------------------------------------------------------
-
-def _field(body: dict, name: str, types, default=None, *, check=None, what: str = ""):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"'{name}' must be {what or types}", name)
-    if not isinstance(value, types):
-        raise ApiError(400, f"'{name}' must be {what or getattr(types, '__name__', types)}", name)
-    if check is not None and not check(value):
-        raise ApiError(400, f"'{name}' must be {what}", name)
-    return value
-
-
-def _number(body, name, default, lo, hi):
-    def finite(v):
-        try:
-            return math.isfinite(v) and lo <= v <= hi
-        except OverflowError:  # an integer too large for a float
-            return False
-
-    return float(_field(body, name, (int, float), default, what=f"a number in [{lo}, {hi}]", check=finite))
-
-
-def _text(value: str, param: str) -> str:
-    """A string the tokenizer can take: valid Unicode (JSON's \\ud800 escapes can make lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"'{param}' holds text that is not valid Unicode (a lone surrogate)", param) from None
-    return value
-
-
-def _stops(body) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    return [_text(s, "stop") for s in stop]
 
 
 class Server:
@@ -184,16 +113,16 @@ class Server:
                 raise ApiError(400, "'top_logprobs' is a chat completions field; legacy completions take "
                                     "'logprobs': N", "top_logprobs")
             top = MAX_TOP_LOGPROBS["completions"]
-            return _field(body, "logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
-        on = _field(body, "logprobs", bool, False, what="a boolean")
+            return check_field(body, "logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+        on = check_field(body, "logprobs", bool, False, what="a boolean")
         top = MAX_TOP_LOGPROBS["chat"]
-        k = _field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+        k = check_field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
         if k is not None and not on:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (k or 0) if on else None
 
     def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages"):
-        n = _field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
+        n = check_field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
         del n
         self.unsupported(body)
         logprobs = self.logprobs(body, chat=prompt_param == "messages")
@@ -203,27 +132,27 @@ class Server:
                                 f"{self.max_model_len} tokens", prompt_param)
         limit = min(self.max_tokens_limit, room)
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _field(body, name, int, default_max if default_max is not None else limit,
+        max_tokens = check_field(body, name, int, default_max if default_max is not None else limit,
                             check=lambda v: v >= 1, what="an integer >= 1")
         if max_tokens > self.max_tokens_limit:
             raise ApiError(400, f"'{name}' is {max_tokens}; this server allows at most {self.max_tokens_limit}", name)
         if max_tokens > room:
             raise ApiError(400, f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds this server's "
                                 f"context of {self.max_model_len} tokens", name)
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        temperature = check_number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = check_number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p <= 0:
             raise ApiError(400, "'top_p' must be in (0, 1]", "top_p")
-        seed = _field(body, "seed", int, None, check=lambda v: -(2 ** 63) <= v < 2 ** 64, what="a 64-bit integer")
+        seed = check_field(body, "seed", int, None, check=lambda v: -(2 ** 63) <= v < 2 ** 64, what="a 64-bit integer")
         if seed is not None:
             seed %= 2 ** 64
-        top_k = _field(body, "top_k", int, 0, check=lambda v: -1 <= v <= MAX_TOP_K,
+        top_k = check_field(body, "top_k", int, 0, check=lambda v: -1 <= v <= MAX_TOP_K,
                        what=f"an integer in [-1, {MAX_TOP_K}] (-1 or 0: off)")
-        stream = _field(body, "stream", bool, False, what="a boolean")
-        options = _field(body, "stream_options", dict, {}, what="an object")
+        stream = check_field(body, "stream", bool, False, what="a boolean")
+        options = check_field(body, "stream_options", dict, {}, what="an object")
         include_usage = bool(options.get("include_usage", False))
         try:
-            row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, _stops(body))
+            row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, check_stops(body))
         except BlockdraftError as exc:
             raise ApiError(400, str(exc)) from None
         row.request.logprobs = logprobs
@@ -237,7 +166,7 @@ class Server:
             if not prompt:
                 raise ApiError(400, "'prompt' must not be empty", "prompt")
             self.check_length(len(prompt), "prompt")
-            return self.engine.tokenizer(_text(prompt, "prompt")).input_ids
+            return self.engine.tokenizer(check_text(prompt, "prompt")).input_ids
         vocab = self.engine.target.config.vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
@@ -268,7 +197,7 @@ class Server:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-            _text(content, "messages")
+            check_text(content, "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             clean.append({"role": role, "content": content})
         self.check_length(sum(len(m["content"]) for m in clean), "messages")
@@ -404,7 +333,7 @@ def create_app(server: Server, start_scheduler: bool = True):
             prompt_ids = await asyncio.to_thread(server.chat_prompt if chat else server.completion_prompt, body)
             row, stream, include_usage = server.sampling(body, len(prompt_ids), None if chat else 16,
                                                          "messages" if chat else "prompt")
-            return_ids = _field(body, "return_token_ids", bool, False, what="a boolean")
+            return_ids = check_field(body, "return_token_ids", bool, False, what="a boolean")
             if return_ids and stream:
                 raise ApiError(400, "'return_token_ids' is supported without streaming only", "return_token_ids")
         except ApiError as exc:
