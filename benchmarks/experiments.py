@@ -360,7 +360,9 @@ def cmd_epochs(args):
     another machine the same command continues from it (AdamW's moments rebuilt). The target's
     features are kept in --feature-cache from the first epoch on."""
     settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
-                "limit_samples": args.samples, "feature_cache": args.feature_cache, "dtype": args.dtype}
+                "limit_samples": args.samples, "dtype": args.dtype,
+                # one cache per arch: each kind captures its own target layers
+                "feature_cache": args.feature_cache or f"runs/feature-cache-{args.arch}"}
     main_out = RUNS / f"epochs-{args.arch}-main"
     position = RESULTS.parent / "positions" / f"epochs-{args.arch}"  # committed (weights, no optimizer state)
     if (position / "state.json").is_file() and adopt_position(position, main_out):
@@ -511,7 +513,7 @@ def main():
     e.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4, 6, 10], help="where the curve is measured")
     e.add_argument("--max-epochs", type=int, default=10, help="the main run's length (its own decay is the last point)")
     e.add_argument("--warmup-steps", type=int, default=25)
-    e.add_argument("--feature-cache", default="runs/feature-cache")
+    e.add_argument("--feature-cache", default=None, help="default: runs/feature-cache-ARCH")
     e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
