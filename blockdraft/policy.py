@@ -114,7 +114,7 @@ class SpeculationPolicy:
                 keep = best_width(scores, self.costs, batch)
             self.expected = 1.0 + float(scores[:, :keep].sum(1).mean())
             self.last = DraftTree.chain(pending, tokens[:, :keep], probs[:, :keep])
-        elif keep:
+        elif keep and self.adaptive:  # (the gate's figure: adaptive only)
             self.expected = 1.0 + sum(a for a in self.alive()[:keep] if a is not None)
         return tokens[:, :keep]
 
@@ -135,7 +135,7 @@ class SpeculationPolicy:
                 on_path = torch.arange(self.last.size, device=accepted.device) <= accepted[:, None]
             self.calibration.update(self.last, on_path, torch.tensor(live, device=accepted.device))
             self.last = None
-        elif drafted and not self.trees:
+        elif drafted and self.adaptive and not self.trees:  # (only the adaptive choices read them)
             for a, is_live in zip(accepted_list, live):
                 if is_live:
                     self.acceptance.record(a, drafted)

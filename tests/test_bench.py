@@ -94,7 +94,7 @@ def test_per_position_acceptance_has_one_definition_for_bench_and_serve():
     assert acc.reached == [4, 2, 0] and acc.accepted == [3, 1, 0]
     assert acc.rates() == [3 / 4, 1 / 2, 0.0]
     assert acc.expected_tokens(3) == pytest.approx(1 + 4 / 6 + 4 / 6 * 2 / 4)  # prior (1, 1)
-    policy = SpeculationPolicy(LookupProposer(), 4)  # a drafter without probabilities: measured rates
+    policy = SpeculationPolicy(LookupProposer(), 4, adaptive=True)  # no probabilities: measured rates
     for accepted, drafted in [(0, 3), (1, 1), (1, 3), (2, 2)]:
         policy.verified(1, drafted + 1, 0.1, torch.tensor([accepted]), None, [True], [accepted])
     assert policy.expected_tokens(4) == pytest.approx(acc.expected_tokens(4))

@@ -4,7 +4,6 @@ drafts the last token again and again); a new target family is one model class a
 `register` line (a toy Llama with its own checkpoint names). The toy drafter kind is in
 test_drafters.py."""
 
-import time
 
 import pytest
 import torch
@@ -37,6 +36,8 @@ def repeat_method():
 def test_a_toy_proposer_generates_and_serves_through_the_registry(smol, tokenizer, chat_ids, repeat_method):
     from blockdraft.serve.scheduler import Scheduler
 
+    from .test_serve import serve_in_process
+
     engine = Engine(smol, tokenizer)
     prompts = [chat_ids[0], chat_ids[3]]
     want = [g.token_ids for g in engine.generate(prompts, method="ar", max_new_tokens=24)]
@@ -48,12 +49,7 @@ def test_a_toy_proposer_generates_and_serves_through_the_registry(smol, tokenize
     assert gens[0].block_size == 6  # no @B: the proposer's largest block
     with torch.inference_mode():
         sched = Scheduler(engine, method="repeat", max_batch=2, max_queue=2, max_model_len=256)
-    sched.start()
-    handles = [sched.submit(engine.make_row(p, 24), lambda h: None) for p in prompts]
-    deadline = time.time() + 300
-    while not all(h.done for h in handles) and time.time() < deadline:
-        time.sleep(0.02)
-    sched.shutdown(grace=5)
+    handles = serve_in_process(sched, [engine.make_row(p, 24) for p in prompts], timeout=300)
     assert [h.state.output_ids for h in handles] == want
 
 

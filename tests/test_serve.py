@@ -562,6 +562,21 @@ def test_second_signal_and_taken_port():
         s.stop()
 
 
+def serve_in_process(sched, rows, timeout: float, stagger: float = 0.0):
+    """Start the scheduler's thread, submit `rows` (the i-th after i * stagger more seconds),
+    wait until all are done or `timeout` passes, shut it down; returns the handles."""
+    sched.start()
+    handles = []
+    for i, row in enumerate(rows):
+        handles.append(sched.submit(row, lambda h: None))
+        time.sleep(stagger * i)
+    deadline = time.time() + timeout
+    while not all(h.done for h in handles) and time.time() < deadline:
+        time.sleep(0.02)
+    sched.shutdown(grace=5)
+    return handles
+
+
 def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, random_drafter, chat_ids):
     """In process: requests joining a running batch at different steps, with a drafter
     rigged to propose the true continuation (whole blocks accepted) - same tokens."""
@@ -592,15 +607,8 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
         sched = Scheduler(engine, method="rigged", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
     finally:
         del methods.METHODS["rigged"]
-    sched.start()
-    handles = []
-    for i, ids in enumerate(prompts):
-        handles.append(sched.submit(engine.make_row(ids, n), lambda h: None))
-        time.sleep(0.05 * i)
-    deadline = time.time() + 600  # (a loaded 2-core machine can be slow)
-    while not all(h.done for h in handles) and time.time() < deadline:
-        time.sleep(0.05)
-    sched.shutdown(grace=5)
+    # (a loaded 2-core machine can be slow)
+    handles = serve_in_process(sched, [engine.make_row(ids, n) for ids in prompts], timeout=600, stagger=0.05)
     assert all(h.done for h in handles), "requests still running after 10 minutes"
     for h, truth in zip(handles, truths):
         assert h.state.output_ids == truth
@@ -618,12 +626,7 @@ def test_the_scheduler_serves_every_registered_method():
     want = [engine.generate(p, method="ar", max_new_tokens=10).token_ids for p in prompts]
     for name in methods.names():
         sched = Scheduler(engine, method=name, max_batch=2, max_queue=4, max_model_len=512)
-        sched.start()
-        handles = [sched.submit(engine.make_row(p, 10), lambda h: None) for p in prompts]
-        deadline = time.time() + 120
-        while not all(h.done for h in handles) and time.time() < deadline:
-            time.sleep(0.02)
-        sched.shutdown(grace=5)
+        handles = serve_in_process(sched, [engine.make_row(p, 10) for p in prompts], timeout=120)
         assert [h.state.output_ids for h in handles] == want, name
 
 
