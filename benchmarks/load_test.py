@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/load_test.py                       # dflash adaptive vs fixed vs ar
     .venv/bin/python benchmarks/load_test.py --concurrency 1,4 --requests 8 --max-tokens 64
+    .venv/bin/python benchmarks/load_test.py --table-from bench-results/load-test/load_test.json --doc docs/measured.md
 
 For each server configuration a fresh server process is started on 127.0.0.1 and
 the same MT-Bench first-turn prompts are sent by `c` concurrent streaming clients
@@ -21,9 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from blockdraft.bench.runner import cpu_name
-from blockdraft.datasets import mtbench
-from blockdraft.serve.client import ServerProcess, stream_chat
+sys.path.insert(0, str(Path(__file__).parent))
+import doctable  # noqa: E402
+
+from blockdraft.bench.runner import cpu_name  # noqa: E402
+from blockdraft.datasets import mtbench  # noqa: E402
+from blockdraft.serve.client import ServerProcess, stream_chat  # noqa: E402
 
 CONFIGS = {
     "dflash-adaptive": ["--method", "dflash", "--speculation", "adaptive"],
@@ -78,7 +82,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--draft", help="drafter folder (default: the shipped one)")
     p.add_argument("--out", default="bench-results/load-test", help="folder for load_test.json and .md")
+    p.add_argument("--table-from", type=Path, help="no run: the table of this load_test.json")
+    p.add_argument("--doc", type=Path, help="also write the table between the file's <!-- load-test --> markers")
     args = p.parse_args(argv)
+    if args.table_from is not None:
+        text = table(json.loads(args.table_from.read_text()))
+        if args.doc is not None:
+            doctable.write_between(args.doc, "load-test", text)
+        print(text)
+        return 0
 
     questions = [q["turns"][0] for q in mtbench()]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -103,16 +115,29 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "load_test.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = ["| server | concurrency | output tok/s | latency p50 (s) | latency p90 (s) | TTFT p50 (s) | TPOT (ms) |",
-             "|---|---|---|---|---|---|---|"]
+    text = table(report)
+    (out / "load_test.md").write_text(text + "\n")
+    if args.doc is not None:
+        doctable.write_between(args.doc, "load-test", text)
+    print(text)
+    return 0
+
+
+def table(report: dict) -> str:
+    """The Markdown table of a load_test.json, with ratios to `ar` at the same concurrency."""
+    ar = {r["concurrency"]: r["output_tokens_per_second"] for r in report["results"].get("ar", [])}
+    lines = [f"{report['machine']['processor']}, {report['max_tokens']} new tokens, --max-batch {report['max_batch']}:",
+             "",
+             "| server | concurrency | output tok/s | vs ar | latency p50 (s) | latency p90 (s) | TTFT p50 (s) | TPOT (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, rows in report["results"].items():
         for r in rows:
             tpot = f"{1000 * r['tpot_mean']:.0f}" if r["tpot_mean"] else "-"
-            lines.append(f"| {name} | {r['concurrency']} | {r['output_tokens_per_second']:.1f} | "
+            base = ar.get(r["concurrency"])
+            ratio = f"{r['output_tokens_per_second'] / base:.2f}×" if base else "-"
+            lines.append(f"| {name} | {r['concurrency']} | {r['output_tokens_per_second']:.1f} | {ratio} | "
                          f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.2f} | {tpot} |")
-    (out / "load_test.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
