@@ -22,6 +22,7 @@ import torch
 from blockdraft import Engine
 from blockdraft.datasets import is_validation, sharegpt_later_turns
 from blockdraft.proposers import DFlashProposer
+from blockdraft.spec import SpecConfig
 
 
 def _windows(text: str) -> list[int | None]:
@@ -89,8 +90,7 @@ def cmd_tau(args, engine: Engine):
     for ids in prompts:
         ar = engine.generate(ids, method="ar", max_new_tokens=args.max_new_tokens)
         for w in windows:
-            engine.draft_window = w
-            out = engine.generate(ids, method="dflash", max_new_tokens=args.max_new_tokens)
+            out = engine.generate(ids, method=SpecConfig("dflash", window=w), max_new_tokens=args.max_new_tokens)
             assert out.token_ids == ar.token_ids, "the window changed the output (a bug)"
             r = results.setdefault(w, {"lengths": [], "draft": 0.0, "tokens": 0, "seconds": 0.0, "ar": 0.0})
             r["lengths"] += out.acceptance_lengths
@@ -98,7 +98,6 @@ def cmd_tau(args, engine: Engine):
             r["seconds"] += out.decode_seconds
             r["tokens"] += out.num_output_tokens
             r["ar"] += ar.decode_seconds
-    engine.draft_window = None
     print("| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |")
     print("|---|---|---|---|---|")
     for w, r in results.items():

@@ -53,13 +53,23 @@ def _load_engine(args, method_names: list[str]):
     dtype = (args.dtype if args.dtype == "q4_1" else getattr(torch, args.dtype)) if args.dtype else None
     return Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
                        use_draft=any(s.drafter == drafters.PRIMARY for s in specs), eagle=args.eagle,
-                       draft_window="auto" if args.draft_window is None else args.draft_window,
                        draft_weights=args.draft_weights)
+
+
+def _window(args):
+    return "auto" if args.draft_window is None else args.draft_window
+
+
+def _spec(args, **kw):
+    """The speculation the flags ask for (`--method`, `--block-size`, `--draft-window`)."""
+    from .spec import SpecConfig
+
+    return SpecConfig(args.method, args.block_size, window=_window(args), **kw)
 
 
 def _sampling_kwargs(args) -> dict:
     return dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, block_size=args.block_size)
+                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
 
 
 def _tree_budget(args):
@@ -77,11 +87,12 @@ def cmd_generate(args) -> int:
     _tree_budget(args)
     engine = _load_engine(args, [args.method])
     kwargs = _sampling_kwargs(args)
+    spec = _spec(args)
     if args.json:
-        out = engine.generate(args.prompt, method=args.method, **kwargs)
+        out = engine.generate(args.prompt, method=spec, **kwargs)
         print(json.dumps(out.to_dict()))
         return 0
-    out = engine.generate(args.prompt, method=args.method,
+    out = engine.generate(args.prompt, method=spec,
                           on_text=lambda _i, piece: print(piece, end="", flush=True), **kwargs)
     print()
     print(f"[{out.method}, {engine.weights}] {out.num_output_tokens} tokens in {out.decode_seconds:.2f} s "
@@ -273,7 +284,8 @@ def cmd_bench(args) -> int:
                             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
                             repeats=args.repeats, check_distribution=args.check_distribution, gguf=args.gguf,
-                            llamacpp_draft=(args.llamacpp_draft_type, args.llamacpp_full_vocab))
+                            llamacpp_draft=(args.llamacpp_draft_type, args.llamacpp_full_vocab),
+                            window=_window(args))
     for dataset, report in reports.items():
         print(f"== {dataset} ({report['num_prompts']} prompts)")
         for name, r in report["methods"].items():
@@ -350,9 +362,10 @@ def cmd_serve(args) -> int:
     engine = _load_engine(args, [args.method])
     name = args.served_model_name or os.path.basename(str(engine.target_name).rstrip("/"))
     api_key = args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None
-    server = Server(engine, model_name=name, method=args.method, max_batch=args.max_batch,
+    spec = _spec(args, adaptive=args.speculation == "adaptive" or None)
+    server = Server(engine, model_name=name, method=spec, max_batch=args.max_batch,
                     max_queue=args.max_queue, max_model_len=args.max_model_len, max_tokens_limit=args.max_tokens,
-                    block_size=args.block_size, adaptive=args.speculation == "adaptive", api_key=api_key,
+                    block_size=args.block_size, api_key=api_key,
                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
                     metrics_public=args.metrics_public, body_timeout=args.body_timeout,
                     max_requests=args.max_connections)

@@ -103,10 +103,9 @@ def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype)
 class Engine:
     def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
-                 packed: bool = False, draft_window: int | str | None = "auto", draft_weights: str = "float"):
+                 packed: bool = False, draft_weights: str = "float"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.draft_weights = draft_weights  # "float" or "int8": what drafters loaded later are turned into
-        self.draft_window = draft_window  # DFlash methods: the drafter sees the last W committed tokens
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
         self.packed = packed
@@ -125,7 +124,7 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_window: int | str | None = "auto", draft_weights: str = "auto") -> "Engine":
+             draft_weights: str = "auto") -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -135,9 +134,6 @@ class Engine:
         for it on first use (`models.packed`: plain sgemm, MKL's packed sgemm or oneDNN).
         `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
         target the GGUF file's own values, see `models.quant`); drafters as `draft_weights` says.
-        `draft_window` W: DFlash drafters see only the last W committed tokens (flat draft cost
-        on long contexts). "auto": the context the drafter was trained on, when its config
-        says (blockdraft-trained drafters), else the whole context; 0: the whole context.
         `draft_weights`: "int8" runs the drafters' linear layers (and their share of the LM head)
         from int8 copies of their weights (CPU; `models.quant.quantize_drafter`): a draft pass
         reads 4x fewer bytes, the output is the target's either way; "float": the target's
@@ -170,8 +166,7 @@ class Engine:
             if draft is None:
                 note = "no trained drafter is shipped for this target yet: pass --draft DIR, or use --method ar"
         engine = cls(model, tokenizer, None, target_name=str(folder), draft_note=note,
-                     default_target=target is None, packed=packed, draft_window=draft_window,
-                     draft_weights=draft_weights)
+                     default_target=target is None, packed=packed, draft_weights=draft_weights)
         for name, path in ((drafters.PRIMARY, draft if use_draft else None), ("eagle3", eagle)):
             if path is not None:
                 setattr(engine, drafters.kind(name).engine_slot, engine.load_drafter(name, path))
@@ -208,14 +203,14 @@ class Engine:
             return chat_prompt_ids(self.tokenizer, prompt)
         return self.tokenizer(prompt).input_ids
 
-    def proposer(self, method: str) -> Proposer:
+    def proposer(self, method: "str | SpecConfig") -> Proposer:
         """A fresh proposer for a registered method (see `blockdraft.methods`)."""
-        return SpecConfig(method).build(self).proposer
+        return SpecConfig.of(method).build(self).proposer
 
     # ---- generation ----------------------------------------------------------------
 
-    def generate(self, prompts, *, chat: bool = False, method: str = "dflash", max_new_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    def generate(self, prompts, *, chat: bool = False, method: "str | SpecConfig" = "dflash",
+                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: str | list[str] | None = None, block_size: int | None = None,
                  proposer: Proposer | None = None, shared_prefix: list[int] | None = None,
                  on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None):
@@ -224,7 +219,9 @@ class Engine:
         Prompts are strings (with `chat=True`, wrapped in the target's chat template as one
         user turn) or lists of token ids. Greedy when temperature is 0; otherwise samples
         with temperature / top-p / top-k, reproducibly for a given seed (row i of a batch
-        uses seed + i). `on_text(i, delta)` receives new text of prompt i as it is accepted.
+        uses seed + i). `method`: a registered method ("dflash", "dflash@8", see
+        `blockdraft.methods`) or a `SpecConfig` (adds the draft window and fixed/adaptive
+        speculation). `on_text(i, delta)` receives new text of prompt i as it is accepted.
         Setting `cancel` (a threading.Event) ends generation after the current step; the
         results then hold what was generated so far (finish reason "abort").
         `shared_prefix`: token ids that many of the prompts start with, prefilled once and
@@ -233,7 +230,7 @@ class Engine:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
-        spec = SpecConfig(method, block_size).build(self, proposer)  # 'dflash@8', 'dflash-tree@32'
+        spec = SpecConfig.of(method, block_size).build(self, proposer)  # 'dflash@8', 'dflash-tree@32'
         proposer, block_size = spec.proposer, spec.block
         rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
                               None if seed is None else seed + i, stop) for i, prompt in enumerate(batch)]

@@ -5,7 +5,10 @@ default target, see `Engine.drafter_for`), its default verified block, and how t
 proposer. Peer methods (HF transformers' own `generate`, ...) run outside our decode loop and
 only in the benchmark. Adding a proposer is one new file plus one `register(...)` line here:
 
-    register(Method("my-drafter", "what it does", build=lambda engine: MyProposer(...)))
+    register(Method("my-drafter", "what it does", build=lambda engine, spec: MyProposer(...)))
+
+`build(engine, spec)` gets the engine (its target, `engine.drafter_for(kind)`) and the
+`spec.SpecConfig` being built (e.g. `spec.window`, the draft window).
 
 Method strings in the CLI and the API may carry a block size: `dflash@8`, `lookup@4` (the
 verified block: the last committed token and B - 1 drafts). For tree methods the number counts
@@ -24,7 +27,7 @@ from .errors import BlockdraftError
 class Method:
     name: str
     summary: str
-    build: Callable | None = None  # engine -> Proposer (None for peers)
+    build: Callable | None = None  # (engine, SpecConfig) -> Proposer (None for peers)
     drafter: str | None = None  # the kind of drafter the method needs: "dflash" | "eagle3" | None
     default_block: int | None = None  # verified block when none is given (None: the proposer's default)
     peer: bool = False  # runs outside blockdraft's decode loop (benchmark only)
@@ -41,36 +44,36 @@ def register(method: Method) -> Method:
     return method
 
 
-def _ar(engine):
+def _ar(engine, spec):
     from .proposers import Proposer
 
     return Proposer()
 
 
-def _lookup(engine):
+def _lookup(engine, spec):
     from .proposers import LookupProposer
 
     return LookupProposer()
 
 
-def _dflash(engine):
+def _dflash(engine, spec):
     from .proposers import DFlashProposer
 
-    return DFlashProposer(engine.drafter_for("dflash"), engine.target, draft_window=engine.draft_window)
+    return DFlashProposer(engine.drafter_for("dflash"), engine.target, draft_window=spec.window)
 
 
-def _dflash_tree(engine):
+def _dflash_tree(engine, spec):
     from .proposers import DFlashTreeProposer
 
     return DFlashTreeProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES,
-                              draft_window=engine.draft_window)
+                              draft_window=spec.window)
 
 
 TREE_TOP_K = 32  # candidates per block position a tree may branch into (measured: wider pays, see README)
 TREE_NODES = 16  # draft tokens a tree verifies per step when no @N is given
 
 
-def _eagle3(engine):
+def _eagle3(engine, spec):
     from .proposers import EagleProposer
 
     return EagleProposer(engine.drafter_for("eagle3"), engine.target)

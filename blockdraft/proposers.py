@@ -62,6 +62,13 @@ class Proposer:
         """Reorder the batch rows: row i becomes old row order[i] (no state here)."""
 
 
+def check_window(window) -> None:
+    """A draft window is a number of tokens >= 0, None (0 and None: the whole context) or "auto"."""
+    if not (window is None or window == "auto" or (isinstance(window, int) and not isinstance(window, bool)
+                                                   and window >= 0)):
+        raise BlockdraftError(f"the draft window must be a number of tokens >= 0, got {window!r}")
+
+
 class DFlashProposer(Proposer):
     """Drafts a whole block in one drafter forward from the target's context features: each
     position's most probable token.
@@ -76,10 +83,9 @@ class DFlashProposer(Proposer):
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, draft_window: int | str | None = "auto"):
         drafter.check_target(target.config)
+        check_window(draft_window)
         if draft_window == "auto":
             draft_window = drafter.config.train_context
-        if draft_window is not None and (not isinstance(draft_window, int) or draft_window < 0):
-            raise BlockdraftError(f"the draft window must be a number of tokens >= 0, got {draft_window!r}")
         self.draft_window = draft_window or None  # the drafter sees the last W committed tokens (None: all)
         self.drafter, self.target = drafter, target
         self.capture_layers = tuple(drafter.config.target_layer_ids)

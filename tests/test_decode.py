@@ -215,7 +215,7 @@ def test_rows_sorted_by_length_with_grouped_attention_change_no_output(smol, cha
 
 
 def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_the_context(
-        smol, hf_smol, chat_ids, ours_greedy):
+        smol, hf_smol, chat_ids, ours_greedy, tokenizer):
     """The shipped drafter (real acceptance) with --draft-window: a window wider than every
     sequence accepts exactly what the unbounded drafter accepts; a narrow one (the ring wraps
     many times, slots reused by continuous batching) still emits the target's own tokens."""
@@ -227,6 +227,15 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     assert DFlashProposer(drafter, smol).draft_window == 512  # default: the context it was trained on
     with pytest.raises(BlockdraftError, match="draft window"):
         DFlashProposer(drafter, smol, draft_window=-1)
+    from blockdraft.engine import Engine
+    from blockdraft.spec import SpecConfig
+
+    engine = Engine(smol, tokenizer, drafter)  # the window travels in the SpecConfig, checked when it is made
+    assert SpecConfig("dflash-cut", window=5).build(engine).proposer.draft_window == 5
+    assert SpecConfig("dflash-tree").build(engine).proposer.draft_window == 512
+    for bad in (-1, "all", 2.5, True):
+        with pytest.raises(BlockdraftError, match="draft window"):
+            SpecConfig("dflash", window=bad)
     block = drafter.config.block_size  # the block it was trained for
     unbounded = run(smol, DFlashProposer(drafter, smol, draft_window=0), prompts, block)
     wide = run(smol, DFlashProposer(drafter, smol, draft_window=4096), prompts, block)

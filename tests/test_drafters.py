@@ -33,8 +33,8 @@ def toy_kind():
     kind = drafters.register(drafters.DrafterKind(
         "toy", "toy drafter", "DFlashDraftModel", "--toy", "drafter", load, build, dflash.init_layers,
         dflash.train_hidden, lambda d, t: DFlashProposer(d, t), describe=lambda d: "a toy"))
-    method = methods.register(methods.Method("toy", "the toy kind", lambda e: DFlashProposer(e.drafter_for("toy"),
-                                                                                              e.target),
+    method = methods.register(methods.Method("toy", "the toy kind",
+                                             lambda e, spec: DFlashProposer(e.drafter_for("toy"), e.target),
                                              drafter="toy"))
     yield kind
     del drafters.KINDS["toy"], methods.METHODS["toy"]

@@ -26,9 +26,9 @@ class RepeatProposer(Proposer):
 
 @pytest.fixture
 def repeat_method():
-    method = methods.register(methods.Method("repeat", "drafts the last token again", lambda e: RepeatProposer()))
+    method = methods.register(methods.Method("repeat", "drafts the last token again", lambda engine, spec: RepeatProposer()))
     methods.register(methods.Method("repeat-adaptive", "the same, sized by measured speed",
-                                    lambda e: RepeatProposer(), adaptive=True))
+                                    lambda engine, spec: RepeatProposer(), adaptive=True))
     yield method
     del methods.METHODS["repeat"], methods.METHODS["repeat-adaptive"]
 

@@ -602,7 +602,8 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
             self.prompt_lens = [len(prompts[i]) if i is not None else 0 for i in which]
             return super().propose(last_tokens, positions, n_, rows, probs)
 
-    methods.register(methods.Method("rigged", "a perfect drafter", lambda e: SlotRigged(random_drafter, smol, [], [])))
+    methods.register(methods.Method("rigged", "a perfect drafter",
+                                    lambda e, spec: SlotRigged(random_drafter, smol, [], [])))
     try:
         sched = Scheduler(engine, method="rigged", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
     finally:

@@ -61,25 +61,29 @@ class Method:
     block: int | None
     speculative: bool = False
     peer: bool = False
+    spec: SpecConfig | None = None  # ours: how it speculates (None for peers)
 
 
-def parse_method(name: str, engine) -> Method:
-    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' | ... -> Method."""
+def parse_method(name: str, engine, window: int | str | None = "auto") -> Method:
+    """'ar' | 'hf' | 'hf-lookup[@B]' | 'lookup[@B]' | 'eagle3[@B]' | 'dflash[@B]' | ... -> Method;
+    `window`: the DFlash methods' draft window (`SpecConfig.window`)."""
     spec, block = registry.parse(name, include_peers=True)
+    config = None
     if spec.peer:  # (a peer's drafter, if it has one, is ours: its trained block is the default)
         trained = engine.drafter_for(spec.drafter).config.block_size if spec.drafter is not None else 1
         size = block or spec.default_block or trained
     else:
-        size = SpecConfig(spec.name, block).build(engine).block
-    return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer)
+        size = SpecConfig(spec.name, block, window=window).build(engine).block
+        config = SpecConfig(spec.name, size if spec.speculative else None, window=window)
+    return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer,
+                  spec=config)
 
 
 def _generate(engine, peers: Peers, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
     if m.peer:
         return peers.generate(m.kind, m.block, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               seed=seed)
-    return engine.generate(ids, method=m.kind, block_size=m.block if m.speculative else None,
-                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return engine.generate(ids, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
 
 def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[float]]:
@@ -99,8 +103,9 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
 
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
               temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1,
-              gguf: str | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False)) -> dict:
-    parsed = [parse_method(m, engine) for m in methods]
+              gguf: str | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False),
+              window: int | str | None = "auto") -> dict:
+    parsed = [parse_method(m, engine, window) for m in methods]
     peers = Peers(engine, gguf, llamacpp_draft)
     peers.check([m.kind for m in parsed])
     try:
@@ -195,7 +200,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
 
 
 def distribution_check(engine, methods: list[str], records: list[dict], *, samples: int = 400,
-                       positions: int = 3, temperature: float = 1.0) -> dict:
+                       positions: int = 3, temperature: float = 1.0, window: int | str | None = "auto") -> dict:
     """At temperature > 0 the output distribution must stay the target's: the tokens at the
     first `positions` positions of `samples` seeded runs of each method are compared with
     `ar` run on other seeds (two-sample chi-square, 0.1% level). The prompt is the shortest
@@ -208,10 +213,10 @@ def distribution_check(engine, methods: list[str], records: list[dict], *, sampl
         return [{t: sum(1 for o in outs if len(o) > k and o[k] == t) for t in {o[k] for o in outs if len(o) > k}}
                 for k in range(positions)]
 
-    base = counts(parse_method("ar", engine), 0)
+    base = counts(parse_method("ar", engine, window), 0)
     report = {}
     for name in methods:
-        m = parse_method(name, engine)
+        m = parse_method(name, engine, window)
         if not m.speculative:
             continue
         other = counts(m, 10 ** 6)
@@ -228,8 +233,7 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
     outs = []
     for start in range(0, n, 100):
         rows = min(100, n - start)
-        gens = engine.generate([list(ids)] * rows, method=m.kind, block_size=m.block if m.speculative else None,
-                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start,
+        gens = engine.generate([list(ids)] * rows, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start,
                                shared_prefix=list(ids[:-1]))
         outs += [g.token_ids for g in gens]
     return outs
@@ -254,19 +258,20 @@ def machine_info(engine) -> dict:
 
 def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
                   first_turn_only=False, repeats=1, check_distribution=0, gguf=None,
-                  llamacpp_draft: tuple[str, bool] = ("F16", False)) -> dict:
+                  llamacpp_draft: tuple[str, bool] = ("F16", False), window: int | str | None = "auto") -> dict:
     """Run every dataset (comma-separated names) and write results.json (one dataset) or
-    DATASET/results.json (several), plus report.md and plots, into `out`."""
+    DATASET/results.json (several), plus report.md and plots, into `out`. `window`: the DFlash
+    methods' draft window (`SpecConfig.window`)."""
     names = [prompts_file] if prompts_file else [d for d in dataset.split(",") if d]
     reports = {}
     for name in names:
         records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
         t0 = time.time()
         results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
-                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft)
+                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft, window=window)
         report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
-                  "methods": results, "machine": machine_info(engine)}
+                  "draft_window": window, "methods": results, "machine": machine_info(engine)}
         if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
             from .peers import LlamaCppRunner
 
@@ -278,7 +283,7 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
                                       "draft_vocab": "full" if llamacpp_draft[1] else "drafter's"}
         if check_distribution:
             report["distribution_check"] = distribution_check(engine, methods, records, samples=check_distribution,
-                                                              temperature=temperature or 1.0)
+                                                              temperature=temperature or 1.0, window=window)
         report["wall_seconds"] = time.time() - t0
         reports[Path(name).stem if prompts_file else name] = report
         if out:

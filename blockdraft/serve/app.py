@@ -34,12 +34,12 @@ log = logging.getLogger("blockdraft.serve")
 class Server:
     """The app's state: engine, scheduler, limits and metrics."""
 
-    def __init__(self, engine, *, model_name: str, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
+    def __init__(self, engine, *, model_name: str, method="dflash", max_batch: int = 8, max_queue: int = 64,
                  max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
                  adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                  shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0,
                  max_requests: int | None = None):
-        self.engine, self.model_name, self.method = engine, model_name, method
+        self.engine, self.model_name = engine, model_name
         self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
         self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
                                    max_model_len=max_model_len, block_size=block_size, adaptive=adaptive,

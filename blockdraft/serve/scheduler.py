@@ -13,7 +13,7 @@ import collections
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -55,11 +55,15 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, method: str = "dflash", max_batch: int = 8, max_queue: int = 64,
-                 max_model_len: int = 2048, block_size: int | None = None, adaptive: bool = True,
-                 metrics=None):
-        self.engine, self.method = engine, method
-        spec = SpecConfig(method, block_size, adaptive=adaptive or None, clamp=True).build(engine)
+    def __init__(self, engine: Engine, *, method: str | SpecConfig = "dflash", max_batch: int = 8,
+                 max_queue: int = 64, max_model_len: int = 2048, block_size: int | None = None,
+                 adaptive: bool = True, metrics=None):
+        """`method`: a method string, sized by `block_size` and `adaptive`, or a whole `SpecConfig`
+        (its block and mode as given); a block above the drafter's trained size is lowered to it."""
+        if not isinstance(method, SpecConfig):
+            method = SpecConfig(method, block_size, adaptive=adaptive or None)
+        self.engine, self.method = engine, method.method
+        spec = replace(method, clamp=True).build(engine)
         self.proposer, block = spec.proposer, spec.block
         self.max_model_len = max_model_len
         self.loop = DecodeLoop(engine.target, self.proposer, block, max_batch, max_model_len + block,
