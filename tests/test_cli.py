@@ -204,11 +204,11 @@ def test_train_flags_document_every_setting_and_keep_its_defaults(capsys):
     import argparse
     import dataclasses
 
-    from blockdraft.cli import _add_train_args
+    from blockdraft.cli import add_train_args
     from blockdraft.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="train")
-    _add_train_args(parser)
+    add_train_args(parser)
     fields = [f for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
     for f in fields:
         assert f.metadata.get("help"), f"TrainConfig.{f.name} has no help text"
