@@ -22,10 +22,11 @@ def main(doc: str, name: str, make_table, argv=None, **paths) -> int:
     for arg, (nargs, help_text) in paths.items():
         ap.add_argument(arg, nargs=nargs, type=Path, help=help_text)
     ap.add_argument("--doc", type=Path, help=f"write the table between the file's <!-- {name} --> markers")
+    ap.add_argument("--marker", default=name, help=f"the markers' name (default: {name})")
     args = ap.parse_args(argv)
     text = make_table(args)
     if args.doc:
-        write_between(args.doc, name, text)
+        write_between(args.doc, args.marker, text)
     else:
         print(text)
     return 0

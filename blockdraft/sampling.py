@@ -85,11 +85,13 @@ def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     and the count doubles for the rows whose top-p mass lies beyond them. Every token outside the
     ranked set has at least the whole ranked set's mass above it, so once that mass reaches top_p
     the nucleus is exactly the one a full sort gives."""
+    dev = logits.device  # the work stays where the logits are (one [N, V] copy to the host costs more)
+    temperature, top_p, top_k = temperature.to(dev), top_p.to(dev), top_k.to(dev)
     x = logits.float() / temperature.float()[:, None]
     n, vocab = x.shape
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     nucleus = top_p < 1
-    width = torch.full((n,), vocab)  # tokens left after top-k
+    width = torch.full((n,), vocab, device=dev)  # tokens left after top-k
     if bool((k < vocab).any()):  # top-k as HF does it: drop what is below the k-th value (ties stay)
         kth = x.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
@@ -100,7 +102,7 @@ def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     lse = top.double() + (x - top).exp_().sum(-1, keepdim=True).double().log()
     # rows without top-p rank all their tokens, top-p rows start from `candidates`
     count = torch.where(nucleus, width.clamp(max=candidates), width)
-    rows = torch.arange(n)
+    rows = torch.arange(n, device=dev)
     ids = probs = None
     while len(rows):
         c = min(vocab, int(count[rows].max()))
@@ -114,15 +116,15 @@ def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
             done = ~unresolved
             count[rows[unresolved]] = 2 * c
         else:
-            done = torch.ones(len(rows), dtype=torch.bool)
+            done = torch.ones(len(rows), dtype=torch.bool, device=dev)
         p = p.masked_fill(drop, 0.0)[done]
         got = got[done]
         if ids is None:
-            ids = torch.zeros(n, c, dtype=got.dtype)
-            probs = torch.zeros(n, c, dtype=torch.float64)
+            ids = torch.zeros(n, c, dtype=got.dtype, device=dev)
+            probs = torch.zeros(n, c, dtype=torch.float64, device=dev)
         elif c > ids.shape[1]:  # widen: the earlier rows' padding has probability 0
-            ids = torch.cat([ids, torch.zeros(n, c - ids.shape[1], dtype=ids.dtype)], 1)
-            probs = torch.cat([probs, torch.zeros(n, c - probs.shape[1], dtype=torch.float64)], 1)
+            ids = torch.cat([ids, torch.zeros(n, c - ids.shape[1], dtype=ids.dtype, device=dev)], 1)
+            probs = torch.cat([probs, torch.zeros(n, c - probs.shape[1], dtype=torch.float64, device=dev)], 1)
         got, order = got.sort(dim=-1)
         probs[rows[done], :c] = p.gather(-1, order) / p.sum(-1, keepdim=True)
         ids[rows[done], :c] = got
@@ -136,7 +138,7 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     ids, probs = kept_tokens(logits, temperature, top_p, top_k)
     if ids is None:
         return probs
-    return torch.zeros(logits.shape, dtype=torch.float64).scatter_add_(-1, ids, probs)
+    return torch.zeros(logits.shape, dtype=torch.float64, device=ids.device).scatter_add_(-1, ids, probs)
 
 
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -156,12 +158,12 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[Sa
         return torch.tensor(values, dtype=dtype).repeat_interleave(t)
 
     ids, probs = kept_tokens(
-        logits[sel].reshape(b * t, v).cpu(),
+        logits[sel].reshape(b * t, v),
         per_row([params[r].temperature for r in rows], torch.float64),
         per_row([params[r].top_p for r in rows], torch.float64),
         per_row([params[r].top_k for r in rows], torch.long),
     )
-    u = position_uniforms([params[r].seed for r in rows], positions[sel]).reshape(b * t, 1)
+    u = position_uniforms([params[r].seed for r in rows], positions[sel]).reshape(b * t, 1).to(logits.device)
     # inverse CDF in token-id order; tokens outside the kept set add nothing to the CDF
     cdf = probs.cumsum(-1)
     # u <= 1 - 2**-53, so u * total < total in float64 and the first CDF entry above it is a kept token
