@@ -62,9 +62,7 @@ def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size:
     anchor = torch.full((n, a_max), -1, dtype=torch.long)  # -1: a padding block
     for i, anc in enumerate(anchors):
         anchor[i, : len(anc)] = torch.tensor(anc, dtype=torch.long)
-    real = anchor >= 0
-    k = torch.arange(block_size)
-    offsets = k.repeat(a_max).expand(n, -1).clone()
+    offsets = torch.arange(block_size).repeat(a_max).expand(n, -1).clone()
     at = anchor.repeat_interleave(block_size, dim=1)  # [n, q] each query's anchor
     pos = at + offsets  # [n, q] each query's position
     real_q = at >= 0
