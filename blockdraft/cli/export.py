@@ -7,6 +7,16 @@ import sys
 from ..errors import BlockdraftError
 
 
+def drafter_folder(args):
+    """The drafter folder given, else the one shipped for the default target."""
+    from ..engine import shipped_drafter
+
+    src = args.drafter or shipped_drafter("dflash")
+    if src is None:
+        raise BlockdraftError("no drafter given and none shipped: pass the drafter folder")
+    return src
+
+
 def cmd_export_gguf(args) -> int:
     from ..models.default import gguf_path
     from ..models.gguf import write_f32_gguf
@@ -19,12 +29,9 @@ def cmd_export_gguf(args) -> int:
 def cmd_export_drafter(args) -> int:
     import torch
 
-    from ..engine import shipped_drafter
     from ..export import export_drafter
 
-    src = args.drafter or shipped_drafter("dflash")
-    if src is None:
-        raise BlockdraftError("no drafter given and none shipped: pass the drafter folder")
+    src = drafter_folder(args)
     dropped = export_drafter(src, args.out, getattr(torch, args.dtype))
     note = (f"; its {dropped['draft_vocab_size']}-token draft vocabulary is dropped (it now scores the whole "
             "vocabulary)" if dropped["draft_vocab_size"] else "")
@@ -33,12 +40,9 @@ def cmd_export_drafter(args) -> int:
 
 
 def cmd_export_gguf_drafter(args) -> int:
-    from ..engine import shipped_drafter
     from ..export_gguf import export_gguf_drafter
 
-    src = args.drafter or shipped_drafter("dflash")
-    if src is None:
-        raise BlockdraftError("no drafter given and none shipped: pass the drafter folder")
+    src = drafter_folder(args)
     if args.target_gguf:
         target = args.target_gguf
     elif args.drafter is None or args.default_target:
