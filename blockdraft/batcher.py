@@ -10,17 +10,11 @@ from typing import Iterator
 import torch
 
 from .costs import clock
-from .decode import (
-    DecodeLoop,
-    Request,
-    SequenceState,
-    Step,
-    check_requests,
-    resolve_block,
-)
+from .decode import DecodeLoop, resolve_block
 from .errors import BlockdraftError
 from .models.transformer import Transformer
 from .proposers import Proposer
+from .sequences import Request, SequenceState, Step, check_requests
 
 
 class Batcher:

@@ -22,7 +22,6 @@ import torch
 
 from . import drafters
 from .batcher import generate_steps
-from .decode import Request, SequenceState
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, load_target, load_tokenizer, stop_token_ids
@@ -30,6 +29,7 @@ from .models.default import DEFAULT_TARGET_NAME, default_target_dir
 from .models.packed import pack_linears, packing_available
 from .proposers import Proposer
 from .sampling import SamplingParams
+from .sequences import Request, SequenceState
 from .spec import SpecConfig
 from .text import TextStream, chat_prompt_ids
 

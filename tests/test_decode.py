@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from blockdraft.batcher import Batcher, generate_steps
-from blockdraft.decode import Request
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, Draft, Proposer
+from blockdraft.sequences import Request
 
 from .conftest import computed_once
 
@@ -288,7 +288,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
             accepted[proposer.name, shared] = [s.acceptance_lengths for s in states]
     assert accepted["dflash", True] == accepted["dflash", False]
     # the drafter is fed the same context features for the prefix either way
-    from blockdraft.decode import SequenceState
+    from blockdraft.sequences import SequenceState
 
     proposer, snaps, seen = DFlashProposer(drafter, smol), [], []
     observe = proposer.observe

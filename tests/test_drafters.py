@@ -42,9 +42,9 @@ def toy_kind():
 
 
 def test_a_toy_drafter_kind_trains_and_drafts_through_the_registries(tiny_corpus, tmp_path, toy_kind):  # noqa: F811
-    from blockdraft.decode import Request
     from blockdraft.batcher import generate_steps
     from blockdraft.proposers import Proposer
+    from blockdraft.sequences import Request
     from blockdraft.train.trainer import Trainer
 
     root, target, prompts, answers = tiny_corpus

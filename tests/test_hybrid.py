@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockdraft.batcher import generate_steps
-from blockdraft.decode import DecodeLoop, Request
+from blockdraft.decode import DecodeLoop
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
@@ -24,6 +24,7 @@ from blockdraft.proposers import (
     LookupProposer,
     Proposer,
 )
+from blockdraft.sequences import Request
 
 from .test_decode import RiggedProposer, run_sorting
 

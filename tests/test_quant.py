@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.batcher import generate_steps
-from blockdraft.decode import Request
 from blockdraft.models import load_target, quant
 from blockdraft.models.default import default_target_dir, gguf_path
 from blockdraft.models.layers import (
@@ -18,6 +17,7 @@ from blockdraft.models.layers import (
 )
 from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams, target_probs
+from blockdraft.sequences import Request
 
 from .conftest import save_tiny_hf
 

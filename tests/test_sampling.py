@@ -9,7 +9,6 @@ import torch
 import blockdraft.decode as decode_mod
 from blockdraft.batcher import generate_steps
 from blockdraft.bench.stats import chi2_goodness_of_fit
-from blockdraft.decode import Request
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Proposer
@@ -20,6 +19,7 @@ from blockdraft.sampling import (
     sample_tokens,
     target_probs,
 )
+from blockdraft.sequences import Request
 
 from .conftest import save_tiny_hf
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdraft.decode import Request
 from blockdraft.engine import Engine
+from blockdraft.sequences import Request
 from blockdraft.serve.client import ServerProcess, stream_chat
 from blockdraft.serve.scheduler import Scheduler
 

@@ -12,10 +12,11 @@ import torch
 
 import blockdraft.train.blocks as blocks_mod
 from blockdraft.batcher import generate_steps
-from blockdraft.decode import DecodeLoop, Request, SequenceState
+from blockdraft.decode import DecodeLoop
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Draft, Proposer
+from blockdraft.sequences import Request, SequenceState
 from blockdraft.train.blocks import IGNORE, build_blocks
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.trainer import Trainer

@@ -13,10 +13,11 @@ import blockdraft.tree as tree_mod
 from blockdraft import methods
 from blockdraft.batcher import generate_steps
 from blockdraft.costs import DraftGate, StepCosts, best_depth, best_width, prior_cost
-from blockdraft.decode import DecodeState, Request
+from blockdraft.decode import DecodeState
 from blockdraft.errors import BlockdraftError
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, Draft, Proposer
 from blockdraft.sampling import SamplingParams
+from blockdraft.sequences import Request
 from blockdraft.tree import DraftTree, build_tree
 
 from .test_decode import assert_same_or_tie, hf_greedy  # noqa: F401

@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 
 from ..batcher import Batcher
-from ..decode import DecodeLoop, SequenceState, default_sort_every
+from ..decode import DecodeLoop, default_sort_every
 from ..engine import Engine
 from ..errors import BlockdraftError
+from ..sequences import SequenceState
 from ..spec import SpecConfig
 
 

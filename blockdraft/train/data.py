@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from ..batcher import Batcher
 from ..datasets import PROMPT_SOURCES, contaminated, eval_fingerprints, is_validation
-from ..decode import DecodeLoop, Request, default_sort_every
+from ..decode import DecodeLoop, default_sort_every
 from ..errors import BlockdraftError
+from ..sequences import Request
 from ..spec import SpecConfig
 from ..text import chat_prompt_ids
 from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample

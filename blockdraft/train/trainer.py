@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from .. import drafters
 from ..batcher import generate_steps
-from ..decode import Request
 from ..draft_config import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
+from ..sequences import Request
 from .blocks import IGNORE, build_blocks
 from .config import TrainConfig, lr_at
 from .data import data_folders, iter_samples
