@@ -208,11 +208,11 @@ def test_train_flags_document_every_setting_and_keep_its_defaults(capsys):
     from blockdraft.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="train")
-    add_train_args(parser)
+    actions = add_train_args(parser)
     fields = [f for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
     for f in fields:
         assert f.metadata.get("help"), f"TrainConfig.{f.name} has no help text"
-    helps = {a.dest: a.help for a in parser._actions}
+    helps = {name: a.help for name, a in actions.items()}
     for f in fields:
         assert helps[f.name].startswith(f.metadata["help"])
     args = parser.parse_args(["--data", "d", "--out", "o"])

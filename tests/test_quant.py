@@ -34,7 +34,7 @@ def q4():
 def test_gguf_integers_are_the_weights_we_run_in_fp32(smol):
     """The file's Q4_1 / Q8_0 values, de-quantized, are exactly our fp32 weights (q and k rows
     un-permuted from llama.cpp's rope layout)."""
-    tensors = quant._gguf_tensors(gguf_path())
+    tensors = quant.gguf_tensors(gguf_path())
     cfg = smol.config
     for i in (0, 29):
         layer = smol.model.layers[i]

@@ -9,12 +9,14 @@ import sys
 from ..errors import BlockdraftError
 
 
-def add_train_args(p: argparse.ArgumentParser):
-    """One flag per TrainConfig field (--block-size, --num-anchors, ...): help and defaults from the dataclass."""
+def add_train_args(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """One flag per TrainConfig field (--block-size, --num-anchors, ...): help and defaults from the
+    dataclass. Returns each field's flag (its argparse action) by field name."""
     import dataclasses
 
     from ..train.config import TrainConfig
 
+    actions = {}
     for f in dataclasses.fields(TrainConfig):
         if f.name == "extra":
             continue
@@ -24,13 +26,14 @@ def add_train_args(p: argparse.ArgumentParser):
         help_text = f.metadata.get("help", "") + ("" if required or f.default is None else " (default: %(default)s)")
         opts = dict(help=help_text, default=None if required else f.default, required=required)
         if "list" in kind:
-            p.add_argument(flag, type=int, nargs="+", metavar="N", **opts)
+            actions[f.name] = p.add_argument(flag, type=int, nargs="+", metavar="N", **opts)
         elif "float" in kind:
-            p.add_argument(flag, type=float, **opts)
+            actions[f.name] = p.add_argument(flag, type=float, **opts)
         elif "int" in kind:
-            p.add_argument(flag, type=int, **opts)
+            actions[f.name] = p.add_argument(flag, type=int, **opts)
         else:
-            p.add_argument(flag, **opts)
+            actions[f.name] = p.add_argument(flag, **opts)
+    return actions
 
 
 def cmd_train(args) -> int:

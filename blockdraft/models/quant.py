@@ -222,7 +222,8 @@ def requantize_rows_int8(q: torch.Tensor, d: torch.Tensor):
 
 # ---- swapping a target's layers ------------------------------------------------------------
 
-def _gguf_tensors(path):
+def gguf_tensors(path) -> dict:
+    """The GGUF file's tensors by name (`gguf.ReaderTensor`: shape, type, raw data)."""
     import gguf
 
     return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
@@ -242,7 +243,7 @@ def quantize_target(model, gguf_file=None) -> dict:
     # same token verified in a block into different tokens: use the attention that has none
     model.set_attention_chunk(ATTENTION_CHUNK)
     cfg = model.config
-    tensors = _gguf_tensors(gguf_file) if gguf_file else None
+    tensors = gguf_tensors(gguf_file) if gguf_file else None
     swapped, worst = 0, 0.0
     # our fused linear -> the GGUF tensors it concatenates (with the heads of rope-permuted rows)
     parts = {("self_attn", "qkv_proj"): [("attn_q", cfg.num_attention_heads), ("attn_k", cfg.num_key_value_heads),
