@@ -1,7 +1,8 @@
 """The training A/B tables of docs/training.md from data/train-logs/experiments.jsonl: sampled vs
 greedy answers, a Markov head vs plain DFlash, and the epoch curve (one row per finished run).
 
-    .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md
+    .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md \
+        --plot docs/epoch_curve.png
 
 τ decode: the decode loop, greedy, on the data's first held-out prompts (`eval_prompts`, 96 new
 tokens); τ teacher-forced: the held-out greedy answers' blocks (thousands, the same for every
@@ -35,8 +36,12 @@ def describe(r: dict) -> str:
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
 
 
+def _rows(results: Path) -> list[dict]:
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+
+
 def table(results: Path) -> str:
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    rows = _rows(results)
     out = []
     for kind, label in KINDS.items():
         mine = [r for r in rows if r.get("kind") == kind]
@@ -54,6 +59,36 @@ def table(results: Path) -> str:
     return "\n".join(out).rstrip()
 
 
+def plot_epochs(results: Path, out: Path) -> None:
+    """The epoch curve: decode τ and teacher-forced acc@3 against epochs, one line per drafter kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds: dict[str, list[dict]] = {}
+    for r in _rows(results):
+        if r.get("kind") == "epochs":
+            kinds.setdefault(r["arch"], []).append(r)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for arch, rs in sorted(kinds.items()):
+        rs.sort(key=lambda r: r["epochs"])
+        epochs = [r["epochs"] for r in rs]
+        line, = left.plot(epochs, [r["tau"] for r in rs], "o-", label=arch)
+        right.plot(epochs, [(r.get("val_acc") or [None] * 3)[2] for r in rs], "s-", color=line.get_color(),
+                   label=arch)
+    samples = {r["samples"] for rs in kinds.values() for r in rs}
+    left.set_title(f"τ in the decode loop ({', '.join(map(str, sorted(samples)))} samples)", fontsize=10)
+    right.set_title("teacher-forced accuracy, draft position 3", fontsize=10)
+    for ax in (left, right):
+        ax.set_xlabel("epochs")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 if __name__ == "__main__":
     sys.exit(doctable.main(__doc__, "training-ab", lambda a: table(a.results),
+                           plot=lambda a, out: plot_epochs(a.results, out),
                            results=(None, "data/train-logs/experiments.jsonl")))
