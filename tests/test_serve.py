@@ -792,3 +792,18 @@ def test_requests_past_the_connection_cap_get_a_json_503_and_the_server_goes_on(
             sock.close()
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_the_metrics_position_rate_is_the_benchmarks_conditional_one():
+    """/metrics' per-position acceptance rate is P(draft k accepted | drafts 1..k-1 accepted), the
+    benchmark's definition (`costs.PositionAcceptance`), not accepted / drafted at k."""
+    from blockdraft.serve.metrics import Metrics
+
+    metrics = Metrics(max_block=4)
+    metrics.observe_step(2, 4, [(0, 3), (3, 3)])  # one row rejects the first draft, one accepts all three
+    metrics.observe_step(1, 4, [(1, 3)])
+    text = metrics.render().decode()
+    rates = {int(k): float(v) for k, v in re.findall(r'spec_position_acceptance_rate\{position="(\d)"\} ([0-9.]+)', text)}
+    assert rates == {1: 2 / 3, 2: 1 / 2, 3: 1.0}  # position 2 reached twice (accepted once), 3 once
+    drafted = re.findall(r'spec_drafted_tokens_total\{position="(\d)"\} ([0-9.]+)', text)
+    assert {int(k): float(v) for k, v in drafted} == {1: 3.0, 2: 3.0, 3: 3.0}  # the raw counters stay counts

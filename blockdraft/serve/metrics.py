@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..costs import PositionAcceptance
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -31,9 +33,10 @@ class Metrics:
         self.accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted, by position in the block",
                                 ["position"], registry=r)
         self.position_rate = Gauge(p + "spec_position_acceptance_rate",
-                                   "Accepted / drafted at each block position", ["position"], registry=r)
+                                   "P(draft k accepted | drafts 1..k-1 accepted), as the benchmark reports it",
+                                   ["position"], registry=r)
         self._scheduler = scheduler_ref
-        self._counts: dict[int, list[int]] = {}
+        self._positions = PositionAcceptance(max_block)
 
     def observe_step(self, batch: int, block: int, outcomes: list[tuple[int, int]]):
         """Called by the scheduler thread after every verify step."""
@@ -41,14 +44,14 @@ class Metrics:
         self.block_size.set(block)
         for accepted, drafted in outcomes:
             self.acceptance.observe(accepted + 1)
+            self._positions.record(accepted, drafted)
             for k in range(1, drafted + 1):
-                counts = self._counts.setdefault(k, [0, 0])
-                counts[0] += 1
-                counts[1] += k <= accepted
                 self.drafted.labels(str(k)).inc()
                 if k <= accepted:
                     self.accepted.labels(str(k)).inc()
-                self.position_rate.labels(str(k)).set(counts[1] / counts[0])
+        for k, (rate, reached) in enumerate(zip(self._positions.rates(), self._positions.reached), start=1):
+            if reached:
+                self.position_rate.labels(str(k)).set(rate)
 
     def observe_request(self, endpoint: str, status: int, handle=None):
         self.requests.labels(endpoint, str(status)).inc()
