@@ -9,10 +9,13 @@ and in one time-boxed run the target
 
 and everything comes back as files of at most 15 MB: the new prompt and answer shards
 (`data-*.tar.partNN`) and the drafter's weights (`drafter.tar.partNN`, fp16) with its metrics.
-Unpack them here with `tools/accelerator_job.py unpack FILES_DIR`.
+Unpack them here with `tools/accelerator_job.py unpack FILES_DIR...` (every call's folder, in order:
+answers are merged by id).
 
     python tools/accelerator_job.py smoke --target DIR             # tiny target: every stage, seconds
     python tools/accelerator_job.py main --gguf-parts 'DIR/gguf.part*' --out OUT --seconds 480
+    python tools/accelerator_job.py main --no-train ...            # prompts and answers only
+    python tools/accelerator_job.py train --seconds 330            # then training alone, time-boxed
     python tools/accelerator_job.py more --steps 300 --lr 1e-3 --out OUT   # a second run from the first's weights
 
 The first lease (one H200, 2026-12-04; logs in data/train-logs/accelerator-h200-1), with the
@@ -24,6 +27,14 @@ halves) and `.xfer/` from `prepare`:
             tools/accelerator_job.py main --gguf-parts '/tmp/xfer/gguf.part*' --seconds 520 \
             --prompt-seconds 40 --answer-seconds 160 --batch 2048
     call 3: PYTHONPATH=/tmp/site BLOCKDRAFT_HOME=/tmp/bdhome python3 tools/accelerator_job.py more --steps 300
+
+The second lease (one H200, 2026-12-04; data/train-logs/accelerator-h200-2): the same two calls with
+`main --no-train --prompt-seconds 20 --answer-seconds 320 --batch 2048`, which still answered at
+1,330 tok/s (0.6 steps/s) and stopped itself after 40 s; `train --seconds 330` (a profile of three
+steps: cuDNN attention planning on the host, ~12 ms a call, 31 calls a step, most of 401 ms a step);
+then, on a second machine after the fixes here (attention groups off on an accelerator), the same
+answer call at `--answer-seconds 230`: 4,554 tok/s, 3,018 answers. Budget: ~70 s per machine start,
+~35 s for the GGUF conversion, the rest is the job's own seconds.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 COMMITTED_ANSWERS = ["data/regen/smollm2-135m-instruct", "data/regen/smollm2-135m-instruct-synth",
                      "data/regen/smollm2-135m-instruct-t07", "data/regen/smollm2-135m-instruct-t08",
-                     "data/regen/smollm2-135m-instruct-t10"]
+                     "data/regen/smollm2-135m-instruct-t10", "data/regen/smollm2-135m-instruct-sampled"]
 PROMPTS = "data/prompts/smollm2-135m-instruct"
 NEW_ANSWERS = "smollm2-135m-instruct-sampled"  # the folder under data/regen the new answers go to
 PART = 15 * 2**20
@@ -124,6 +135,35 @@ def prompts_to_answer(engine, work: Path, answers: int):
                 yield {**p, "id": sid, "prompt_id": p["id"], "answer_index": i}
 
 
+class StepProfiler:
+    """Where `steps` decode steps' time goes on the device, once, `start_after` seconds into the
+    answers (2,048 rows ran at 2.3 steps/s on an H200 in the second lease, far below the model's
+    cost: the next lease reads why from this table)."""
+
+    def __init__(self, start_after: float, steps: int):
+        self.start_after, self.steps, self.prof, self.left, self.t = start_after, steps, None, steps, 0.0
+
+    def tick(self, seconds: float):
+        import torch
+
+        if not torch.cuda.is_available() or self.left <= 0 or seconds < self.start_after:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.prof is None:
+            self.prof, self.t = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), time.time()
+            self.prof.__enter__()
+            return
+        self.left -= 1
+        if self.left == 0:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            avg = self.prof.key_averages()
+            log(f"answers: profile of {self.steps} steps, {time.time() - self.t:.2f}s wall\n"
+                + avg.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=50)
+                + avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+
+
 def answer(engine, work: Path, seconds: float, batch: int, max_new_tokens: int, answers: int) -> int:
     from blockdraft.train.answers import AnswerDeduper, AnswerSampling
     from blockdraft.train.data import ShardWriter, answer_prompts, iter_samples
@@ -143,11 +183,25 @@ def answer(engine, work: Path, seconds: float, batch: int, max_new_tokens: int, 
                 log(f"answers: {written[0]} written")
 
     todo = (p for p in prompts_to_answer(engine, work, answers) if p["id"] not in dedup.written)
-    try:
+    next_log = [20.0]
+    profiled = StepProfiler(start_after=30.0, steps=4)
+
+    def until(st) -> bool:
+        try:
+            profiled.tick(st.seconds)  # called once per decode step
+        except Exception:  # a profile is worth less than the answers
+            profiled.left = 0
+            log(f"answers: profile FAILED:\n{traceback.format_exc()}")
+        if st.seconds >= next_log[0]:  # the rate as it goes, for sizing the next lease
+            next_log[0] += 20
+            log(f"answers: {st.seconds:.0f}s, {written[0]} written, {st.tokens / st.seconds:.0f} tok/s, "
+                f"{st.steps / st.seconds:.1f} steps/s")
         # a device that turns out slow (under MIN_RATE answer tokens/s after 40 s) leaves the time to training
+        return st.seconds > 40 and st.tokens < MIN_RATE * st.seconds
+
+    try:
         stats = answer_prompts(engine, todo, max_new_tokens=max_new_tokens, batch_size=batch, sampling=sampling,
-                               seconds=seconds, on_sample=on_sample,
-                               until=lambda st: st.seconds > 40 and st.tokens < MIN_RATE * st.seconds)
+                               seconds=seconds, on_sample=on_sample, until=until)
     finally:
         writer.close()
     log(f"answers: {written[0]} written, {stats.tokens} tokens in {stats.seconds:.0f}s "
@@ -198,12 +252,28 @@ def train(work: Path, seconds: float | None, target: str | None, batch: int, ove
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
     per_step = (time.time() - t) / (probe - 10)
+    if trainer.device.type == "cuda":
+        stage("profile", profile_steps, trainer, probe + 3)
+        probe += 3
     left = seconds - (time.time() - T0) - 40  # the final evaluation and packing
     cfg.max_steps = max(probe + 10, probe + int(left / per_step))
     log(f"train: {per_step * 1000:.0f} ms/step at batch {batch}; {cfg.max_steps} steps "
         f"({cfg.max_steps * batch / len(trainer.samples):.2f} epochs)")
     trainer.run()
     return finish_training(work, trainer)
+
+
+def profile_steps(trainer, until: int):
+    """Where a few training steps' time goes on the device (for the next lease's sizing)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    t, start = time.time(), trainer.step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.run(until=until)
+        torch.cuda.synchronize()
+    log(f"profile: {until - start} steps in {time.time() - t:.2f}s wall under the profiler\n"
+        + prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))
 
 
 def finish_training(work: Path, trainer) -> Path:
@@ -360,6 +430,22 @@ def cmd_more(args):
     stage("pack", pack, work, Path(args.out))
 
 
+def cmd_train(args):
+    """Training alone, time-boxed, on the committed answers and those an earlier `main --no-train`
+    call left in WORK (the target as that call converted it), then everything packed again."""
+    if args.fingerprints:
+        use_fingerprints(args.fingerprints)
+    earlier = Path(args.work) / "train"
+    if earlier.exists():  # an earlier run's folder would keep its drafter in place of this one's
+        shutil.rmtree(earlier.with_name("train0"), ignore_errors=True)
+        earlier.rename(earlier.with_name("train0"))
+    stage("train", train, Path(args.work), args.seconds, args.target, args.train_batch,
+          json.loads(args.train_settings))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stage("pack", pack, Path(args.work), Path(args.out))
+    log("done")
+
+
 def cmd_fetch_rest(args):
     out, ship = Path(args.out), Path(args.work) / "ship"
     for f in sorted(ship.iterdir()):
@@ -369,29 +455,48 @@ def cmd_fetch_rest(args):
 
 
 def cmd_unpack(args):
-    """Join the parts and unpack: prompts into data/prompts/..., answers into data/regen/...,
-    the drafter into runs/accelerator/."""
-    src = Path(args.files)
-    groups: dict[str, list[Path]] = {}
-    for p in sorted(src.glob("*.part*")):
-        groups.setdefault(p.name.rsplit(".part", 1)[0], []).append(p)
-    for name, parts in groups.items():
-        blob = b"".join(p.read_bytes() for p in sorted(parts))
-        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-            if name.startswith("data-prompts"):
-                dest = ROOT / PROMPTS
-                members = [m for m in tar.getmembers() if m.name.startswith("prompts/")]
-                for m in members:
-                    m.name = m.name[len("prompts/"):]
-            elif name.startswith("data-answers"):
-                dest, members = ROOT / "data/regen", [m for m in tar.getmembers() if m.name.startswith("answers/")]
-                for m in members:
-                    m.name = m.name[len("answers/"):]
-            else:
-                dest, members = ROOT / "runs/accelerator", tar.getmembers()
-            members = [m for m in members if m.name]
-            tar.extractall(dest, members=members, filter="data")
-            print(f"{name}: {len(parts)} part(s) -> {dest}")
+    """Join the parts and unpack: prompts into data/prompts/... (the device's folders are the
+    committed ones plus new shards), answers merged by id into data/regen/... (several calls and
+    machines number their shards from 0 and may answer the same (prompt, answer index): a sample
+    whose id the folder holds is skipped), the drafter into runs/accelerator/."""
+    import tempfile
+
+    from blockdraft.train.data import ShardWriter, iter_samples
+
+    for files in args.files:
+        src = Path(files)
+        groups: dict[str, list[Path]] = {}
+        for p in sorted(src.glob("*.part*")):
+            groups.setdefault(p.name.rsplit(".part", 1)[0], []).append(p)
+        for name, parts in groups.items():
+            blob = b"".join(p.read_bytes() for p in sorted(parts))
+            with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+                if name.startswith("data-answers"):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        tar.extractall(tmp, filter="data")
+                        for folder in sorted(Path(tmp, "answers").iterdir()):
+                            dest = ROOT / "data/regen" / folder.name
+                            dest.mkdir(parents=True, exist_ok=True)
+                            have = {s["id"] for s in iter_samples(dest)}
+                            writer, added = ShardWriter(dest), 0
+                            for sample in iter_samples(folder):
+                                if sample["id"] not in have:
+                                    writer.write(sample)
+                                    have.add(sample["id"])
+                                    added += 1
+                            writer.close()
+                            print(f"{src / name}: {added} new answers -> {dest}")
+                    continue
+                if name.startswith("data-prompts"):
+                    dest = ROOT / PROMPTS
+                    members = [m for m in tar.getmembers() if m.name.startswith("prompts/")]
+                    for m in members:
+                        m.name = m.name[len("prompts/"):]
+                else:
+                    dest, members = ROOT / "runs/accelerator", tar.getmembers()
+                members = [m for m in members if m.name]
+                tar.extractall(dest, members=members, filter="data")
+                print(f"{src / name}: {len(parts)} part(s) -> {dest}")
 
 
 def cmd_smoke(args):
@@ -435,6 +540,14 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-batch", type=int, default=64)
+    p = sub.add_parser("train")
+    p.add_argument("--target")
+    p.add_argument("--out", default=os.environ.get("OUT", "out/accelerator"))
+    p.add_argument("--work", default="/tmp/accelerator-work")
+    p.add_argument("--fingerprints", default=".xfer/fingerprints.json")
+    p.add_argument("--seconds", type=float, default=300, help="this call's wall-clock budget")
+    p.add_argument("--train-batch", type=int, default=64)
+    p.add_argument("--train-settings", default="{}")
     for name in ("fetch-rest",):
         p = sub.add_parser(name)
         p.add_argument("--out", default=os.environ.get("OUT", "out/accelerator"))
@@ -442,9 +555,9 @@ def main():
     p = sub.add_parser("prepare")
     p.add_argument("--xfer", default=".xfer")
     p = sub.add_parser("unpack")
-    p.add_argument("files")
+    p.add_argument("files", nargs="+", help="folders of parts, in the order the calls returned them")
     args = ap.parse_args()
-    {"main": cmd_main, "smoke": cmd_smoke, "prepare": cmd_prepare, "more": cmd_more, "fetch-rest": cmd_fetch_rest, "unpack": cmd_unpack}[args.cmd](args)
+    {"main": cmd_main, "smoke": cmd_smoke, "prepare": cmd_prepare, "more": cmd_more, "train": cmd_train, "fetch-rest": cmd_fetch_rest, "unpack": cmd_unpack}[args.cmd](args)
 
 
 if __name__ == "__main__":
