@@ -179,3 +179,26 @@ def test_bf16_weights_attend_in_fp32_on_cpu_and_stay_as_close_as_hf_bf16(tmp_pat
     err, hf_err = (torch.cat(rows) - ref).abs().max(), (theirs - ref).abs().max()
     assert err <= 1.25 * hf_err, (float(err), float(hf_err))  # both mostly the weights' bf16 rounding
     assert ((ours.logits(no_cache[0]).float() - ref).abs().max()) <= 1.25 * hf_err
+
+
+@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 1), (9, 3, 6), (8, 1, 4), (4, 4, 3)])
+def test_kv_grouped_attention_is_grouped_query_attention(heads, kv_heads, t):
+    """The CUDA path folds each KV head's query heads into its query length: against an explicit
+    reference (every KV head copied to its query heads, masked softmax), with no mask, a
+    per-row mask and a mask shared by the rows; a per-head mask is refused."""
+    from blockdraft.models.layers import attend_kv_grouped
+
+    torch.manual_seed(heads * 10 + t)
+    b, s, d = 3, 11, 8
+    q, k, v = torch.randn(b, heads, t, d), torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
+    kk, vv = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    for mask in (None, torch.rand(b, 1, t, s) > 0.4, torch.rand(1, 1, t, s) > 0.4):
+        scores = q @ kk.transpose(-1, -2) / d ** 0.5
+        if mask is not None:
+            mask[..., 0] = True
+            scores = scores.masked_fill(~mask, float("-inf"))
+        want = torch.softmax(scores, dim=-1) @ vv
+        assert torch.allclose(attend_kv_grouped(q, k, v, mask), want, atol=1e-5)
+    if heads != kv_heads:
+        with pytest.raises(BlockdraftError, match="per-head"):
+            attend_kv_grouped(q, k, v, torch.ones(b, heads, t, s, dtype=torch.bool))

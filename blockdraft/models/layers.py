@@ -137,8 +137,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Scaled dot-product attention with grouped KV heads. q: [B,H,T,D], k/v: [B,KV,S,D]."""
     if q.is_cuda:
         with sdpa_kernel(_CUDA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return attend_kv_grouped(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend_kv_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend` with each KV head's query heads folded into its query length (q [B,H,T,D] ->
+    [B,KV,G*T,D], a mask [B,1,T,S] -> [B,1,G*T,S]): the same products, no `enable_gqa`. On CUDA
+    the memory-efficient kernel takes a mask but not `enable_gqa`, which sends a masked grouped
+    call to the math kernel, and that copies every key and value G times."""
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    if kv == h:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    g = h // kv
+    folded = q.reshape(b, kv, g * t, d)  # heads are ordered KV-major: head i uses KV head i // g
+    if mask is not None:
+        if mask.shape[1] != 1:
+            raise BlockdraftError(f"a per-head attention mask {tuple(mask.shape)} cannot be folded")
+        mask = mask.expand(mask.shape[0], g, t, mask.shape[-1]).reshape(mask.shape[0], 1, g * t, mask.shape[-1])
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask).reshape(b, h, t, d)
 
 
 def chunked_mask(mask: torch.Tensor, heads_per_kv: int) -> torch.Tensor:
