@@ -15,6 +15,9 @@
         t07=data/regen/smollm2-135m-instruct-t07 t10=data/regen/smollm2-135m-instruct-t10
     # a Markov head (DSpark) against plain DFlash: both from the shipped drafter, equal steps, same data
     .venv/bin/python benchmarks/experiments.py markov --rank 256 --steps 400
+    # training context at equal CPU time: sequences cut at 512 vs kept to 1024 tokens, from the shipped drafter
+    .venv/bin/python benchmarks/experiments.py context --data data/regen/smollm2-135m-instruct-sampled --minutes 15 \
+        --eval-max-new-tokens 256
     # the epoch curve: one 10-epoch WSD run on 2,000 samples, decay branches at 1, 2, 4, 6 epochs
     # (resumes from data/train-logs/positions/epochs-ARCH, which is committed)
     .venv/bin/python benchmarks/experiments.py epochs --arch dflash
@@ -341,6 +344,28 @@ def cmd_markov(args):
         run(key, cfg, {"kind": "markov", "markov_rank": rank, "data": args.data})
 
 
+def cmd_context(args):
+    """Training context at equal CPU time: the shipped drafter trained further on the same answers
+    (the sampled ones, up to 512 tokens) with every sequence cut at --short tokens, or kept up to
+    --long. Each branch is timed first and gets the steps that fit in --minutes; both are measured
+    on the same held-out prompts in the decode loop (--eval-max-new-tokens, the benchmark's 256 by
+    default). Their teacher-forced rows are not comparable: each is over the held-out answers cut
+    at its own length."""
+    settings = {**SHIPPED, "data": args.data, "dtype": args.dtype, "eval_every": 10**9,
+                "eval_prompts": args.eval_prompts, "eval_max_new_tokens": args.eval_max_new_tokens,
+                "save_every": 25, "log_every": 5, "seed": args.seed}
+    for length in (args.short, args.long):
+        key = f"context/{length}"
+        if key in done_runs():
+            continue
+        cfg = TrainConfig(out=str(RUNS / f"context-{length}"), **{**settings, "max_seq_len": length})
+        per_step = seconds_per_step(cfg)
+        cfg.max_steps = max(10, int(args.minutes * 60 / per_step))
+        print(f"{key}: {per_step:.2f} s/step -> {cfg.max_steps} steps", file=sys.stderr)
+        run(key, cfg, {"kind": "context", "max_seq_len": length, "data": args.data, "budget_minutes": args.minutes,
+                       "seconds_per_step": round(per_step, 3)})
+
+
 # The epoch curve's recipes, from scratch (block 4: what a CPU verifies; the shipped settings).
 EPOCH_RECIPES = {
     "dflash": dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
@@ -473,7 +498,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "markov", "epochs", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -507,6 +532,11 @@ def main():
     m.add_argument("--rank", type=int, default=256, help="the Markov head's rank (DSpark's: 256)")
     m.add_argument("--steps", type=int, default=400, help="training steps of each branch")
     m.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    c = sub.choices["context"]
+    c.add_argument("--short", type=int, default=512, help="the shorter branch's sequence cap (the shipped one)")
+    c.add_argument("--long", type=int, default=1024, help="the longer branch's sequence cap")
+    c.add_argument("--minutes", type=float, default=15, help="CPU wall time of each branch's training")
+    c.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     e = sub.choices["epochs"]
     e.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dflash")
     e.add_argument("--samples", type=int, default=2000, help="the first N training samples (the same for every arch)")
@@ -517,7 +547,8 @@ def main():
     e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov, "epochs": cmd_epochs,
+    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
+     "context": cmd_context, "epochs": cmd_epochs,
      "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 

@@ -1,5 +1,6 @@
 """The training A/B tables of docs/training.md from data/train-logs/experiments.jsonl: sampled vs
-greedy answers, a Markov head vs plain DFlash, and the epoch curve (one row per finished run).
+greedy answers, a Markov head vs plain DFlash, the training context, and the epoch curve (one row
+per finished run).
 
     .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md \
         --plot docs/epoch_curve.png
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
-KINDS = {"sampling": "answers", "markov": "drafter", "epochs": "arch, epochs"}
+KINDS = {"sampling": "answers", "markov": "drafter", "context": "sequences", "epochs": "arch, epochs"}
 
 
 def _f(x, digits=3):
@@ -33,6 +34,9 @@ def describe(r: dict) -> str:
             f", {r['train_samples']} answers to {r['prompts']} prompts" if "prompts" in r else "")
     if kind == "markov":
         return f"Markov head rank {r['markov_rank']}" if r.get("markov_rank") else "plain DFlash"
+    if kind == "context":
+        return (f"cut at {r['max_seq_len']} tokens, {r['train_samples']} answers, {r['budget_minutes']:g} CPU "
+                f"minutes, τ decode at {r['config']['eval_max_new_tokens']} tokens")
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
 
 
