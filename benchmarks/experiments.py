@@ -270,6 +270,13 @@ SHIPPED = dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=3e-4
                init_from="blockdraft/shipped/smollm2-135m-instruct-dflash")
 
 
+def from_shipped(args) -> dict:
+    """The settings of a branch that continues the shipped drafter (`sampling`, `markov`, `context`):
+    its recipe, measured only at the end on the held-out prompts, checkpointed every 25 steps."""
+    return {**SHIPPED, "dtype": args.dtype, "eval_every": 10**9, "eval_prompts": args.eval_prompts,
+            "eval_max_new_tokens": args.eval_max_new_tokens, "save_every": 25, "log_every": 5, "seed": args.seed}
+
+
 def sampling_data(sources: dict[str, str], out: Path) -> dict[str, dict]:
     """One folder per source holding its training answers to the prompts that EVERY source
     answers (so the branches differ only in the answers), plus the first source's held-out
@@ -308,9 +315,7 @@ def cmd_sampling(args):
     for name, row in info.items():
         print(f"{name}: {row['train_samples']} answers to {row['prompts']} prompts, "
               f"{row['answer_tokens']} answer tokens", file=sys.stderr)
-    settings = {**SHIPPED, "dtype": args.dtype, "eval_every": 10**9, "eval_prompts": args.eval_prompts,
-                "eval_max_new_tokens": args.eval_max_new_tokens, "save_every": 25, "log_every": 5,
-                "seed": args.seed}
+    settings = from_shipped(args)
     first = next(iter(info))
     if "sampling/start" not in done_runs():
         cfg = TrainConfig(data=info[first]["folder"], out=str(RUNS / "sampling-start"), max_steps=0, **settings)
@@ -333,9 +338,7 @@ def cmd_markov(args):
     """DFlash against the same drafter with a DSpark-style Markov head, at equal steps on the same
     data in the same order: both start from the shipped drafter (the head starts fresh), both
     are measured on the same held-out answers (teacher-forced τ) and prompts (decode loop)."""
-    settings = {**SHIPPED, "data": args.data, "dtype": args.dtype, "eval_every": 10**9,
-                "eval_prompts": args.eval_prompts, "eval_max_new_tokens": args.eval_max_new_tokens,
-                "save_every": 25, "log_every": 5, "seed": args.seed}
+    settings = {**from_shipped(args), "data": args.data}
     for name, rank in (("dflash", 0), (f"dspark-r{args.rank}", args.rank)):
         key = f"markov/{name}"
         if key in done_runs():
@@ -351,9 +354,7 @@ def cmd_context(args):
     on the same held-out prompts in the decode loop (--eval-max-new-tokens, the benchmark's 256 by
     default). Their teacher-forced rows are not comparable: each is over the held-out answers cut
     at its own length."""
-    settings = {**SHIPPED, "data": args.data, "dtype": args.dtype, "eval_every": 10**9,
-                "eval_prompts": args.eval_prompts, "eval_max_new_tokens": args.eval_max_new_tokens,
-                "save_every": 25, "log_every": 5, "seed": args.seed}
+    settings = {**from_shipped(args), "data": args.data}
     for length in (args.short, args.long):
         key = f"context/{length}"
         if key in done_runs():

@@ -135,6 +135,12 @@ def prompts_to_answer(engine, work: Path, answers: int):
                 yield {**p, "id": sid, "prompt_id": p["id"], "answer_index": i}
 
 
+def profile_tables(prof, rows: int, *sort_keys: str) -> str:
+    """A finished torch profile's ops, one table per sort key (the log's profiles)."""
+    avg = prof.key_averages()
+    return "".join(avg.table(sort_by=key, row_limit=rows, max_name_column_width=50) for key in sort_keys)
+
+
 class StepProfiler:
     """Where `steps` decode steps' time goes on the device, once, `start_after` seconds into the
     answers (2,048 rows ran at 2.3 steps/s on an H200 in the second lease, far below the model's
@@ -158,10 +164,8 @@ class StepProfiler:
         if self.left == 0:
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            avg = self.prof.key_averages()
             log(f"answers: profile of {self.steps} steps, {time.time() - self.t:.2f}s wall\n"
-                + avg.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=50)
-                + avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+                + profile_tables(self.prof, 12, "self_device_time_total", "self_cpu_time_total"))
 
 
 def answer(engine, work: Path, seconds: float, batch: int, max_new_tokens: int, answers: int) -> int:
@@ -273,7 +277,7 @@ def profile_steps(trainer, until: int):
         trainer.run(until=until)
         torch.cuda.synchronize()
     log(f"profile: {until - start} steps in {time.time() - t:.2f}s wall under the profiler\n"
-        + prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))
+        + profile_tables(prof, 15, "self_device_time_total"))
 
 
 def finish_training(work: Path, trainer) -> Path:
