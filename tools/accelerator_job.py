@@ -417,16 +417,24 @@ def cmd_main(args):
     log("done")
 
 
+def set_aside(work: Path, name: str) -> Path:
+    """Moves an earlier run's folder WORK/train to WORK/NAME (replacing what was there): left in
+    place, its drafter would be packed as the next run's. Returns WORK/NAME."""
+    earlier, aside = work / "train", work / name
+    if earlier.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        earlier.rename(aside)
+    return aside
+
+
 def cmd_more(args):
-    """A second run on the same machine from the first run's weights, `--steps` steps of its own
-    warmup-stable-decay schedule (warmup 30, decay over the last 30%); the first run moves to
+    """A further run on the same machine from the last run's weights, `--steps` steps of its own
+    warmup-stable-decay schedule (warmup 30, decay over the last 30%); the last run moves to
     WORK/train1 and everything is packed again."""
     if args.fingerprints:
         use_fingerprints(args.fingerprints)
     work = Path(args.work)
-    first = work / "train1"
-    if not first.exists():
-        shutil.move(str(work / "train"), str(first))
+    first = set_aside(work, "train1")
     overrides = dict(lr=args.lr, warmup_steps=30, decay_frac=0.3, max_steps=args.steps,
                      init_from=str(first / "drafter"))
     stage("train", train, work, None, args.target, args.train_batch, overrides)
@@ -439,10 +447,7 @@ def cmd_train(args):
     call left in WORK (the target as that call converted it), then everything packed again."""
     if args.fingerprints:
         use_fingerprints(args.fingerprints)
-    earlier = Path(args.work) / "train"
-    if earlier.exists():  # an earlier run's folder would keep its drafter in place of this one's
-        shutil.rmtree(earlier.with_name("train0"), ignore_errors=True)
-        earlier.rename(earlier.with_name("train0"))
+    set_aside(Path(args.work), "train0")
     stage("train", train, Path(args.work), args.seconds, args.target, args.train_batch,
           json.loads(args.train_settings))
     Path(args.out).mkdir(parents=True, exist_ok=True)
