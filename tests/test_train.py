@@ -676,7 +676,7 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
 
 def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, tmp_path):
     """`--position-dir` writes the weights and the schedule position without the optimizer state;
-    `train --resume-from` continues from it: from a full checkpoint bit for bit as the straight
+    (weights in fp16); `train --resume-from` continues from it: from a full checkpoint bit for bit as the straight
     run, from the position alone with the same schedule (learning rates, steps) and AdamW's
     moments rebuilt; the run's settings cannot be changed on the way."""
     from blockdraft.cli import main
@@ -689,8 +689,12 @@ def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, 
     position = tmp_path / "committed"
     assert not (position / "optimizer.pt").exists() and (tmp_path / "half" / "checkpoint" / "optimizer.pt").exists()
     assert json.loads((position / "state.json").read_text())["step"] == 6
-    a, b = drafter_weights(position / "drafter"), drafter_weights(tmp_path / "half" / "checkpoint" / "drafter")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(f / "drafter" / "model.safetensors")) for f in (position, tmp_path / "half" / "checkpoint"))
+    assert a.keys() == b.keys() and {v.dtype for v in b.values() if v.is_floating_point()} == {torch.float32}
+    assert all(a[k].dtype == (torch.float16 if b[k].is_floating_point() else b[k].dtype) for k in a)
+    assert all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)  # the weights rounded to fp16
 
     assert main(["train", "--resume-from", str(tmp_path / "half" / "checkpoint"), "--out", str(tmp_path / "full")]) == 0
     a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "full" / "drafter")

@@ -62,8 +62,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, position_dir: str | Path | None = None):
         """`resume`: continue from OUT/checkpoint (bit for bit where it holds the optimizer state;
         from a position without it, the optimizer's moments start anew). `position_dir`: at every
-        checkpoint also write the weights and the schedule position there, without the optimizer
-        state (a folder small enough to commit; `blockdraft train --resume-from` continues it)."""
+        checkpoint also write the weights (in fp16) and the schedule position there, without the
+        optimizer state (a folder small enough to commit; `blockdraft train --resume-from` continues it)."""
         self.cfg = cfg
         self.position_dir = Path(position_dir) if position_dir else None
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -326,9 +326,10 @@ class Trainer:
 
     SKIP_ON_RESUME = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache")  # may change
 
-    def write_position(self, folder: Path):
-        """The drafter's weights and where the run stands (step, tokens, wall time, settings)."""
-        self.drafter.save(folder / "drafter")
+    def write_position(self, folder: Path, dtype: torch.dtype | None = None):
+        """The drafter's weights (in `dtype`, default their own) and where the run stands (step,
+        tokens, wall time, settings)."""
+        self.drafter.save(folder / "drafter", dtype)
         (folder / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
                                                        "elapsed": self.elapsed + time.perf_counter() - self._t0,
                                                        "threads": torch.get_num_threads(), "processes": self.world,
@@ -344,7 +345,8 @@ class Trainer:
         for parent, name, with_optimizer in targets:  # each replaced atomically
             parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
-            self.write_position(tmp)
+            # the committed position (no optimizer state: not bit for bit anyway) is half the size in fp16
+            self.write_position(tmp, None if with_optimizer else torch.float16)
             if with_optimizer:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             final = parent / name
