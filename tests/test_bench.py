@@ -42,8 +42,30 @@ def test_bench_json_contract(tmp_path, draft_dir):
     # greedy decoding is lossless: every method gives ar's tokens, turn by turn (HF included)
     for name in methods:
         assert [p["token_ids"] for p in methods[name]["prompts"]] == [p["token_ids"] for p in methods["ar"]["prompts"]]
+        # each verify step commits its acceptance length after the prefill's token (the last may be cut)
+        for q in r["prompts"]:
+            for ids, lengths in zip(q["token_ids"], q["acceptance_lengths"]):
+                assert not lengths or len(ids) - 1 <= sum(lengths) <= len(ids) - 2 + r["block_size"]
+        assert 0 <= r["repetition"]["repeated_share"] <= 1
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| dflash@4 | 4 |" in report and (tmp_path / "out" / "acceptance_p.png").stat().st_size > 1000
+    assert "Repetition: " in report
+
+
+def test_repetition_counts_repeated_runs_and_tau_away_from_them():
+    from blockdraft.bench.repetition import repeated_mask, repetition_stats, steps_outside_repeats
+
+    ids = [1, 2, 3, 1, 2, 3, 1, 2, 3, 4]
+    assert repeated_mask(ids, 3) == [False] * 5 + [True] * 4 + [False]
+    assert repeated_mask([7] * 5, 3) == [False, False, False, True, True]  # overlapping runs count
+    assert repeated_mask(ids[:2], 3) == [False, False]
+    # the prefill commits ids[0]; the steps then commit ids[1:3], ids[3:6], ids[6:7], ids[7:10]
+    assert steps_outside_repeats(ids, [2, 3, 1, 3], 3) == [2]
+    assert steps_outside_repeats(ids, [2, 2, 2, 4], 3) == [2, 2]  # a cut last step: ids[7:10] only
+    stats = repetition_stats([(ids, [2, 3, 1, 3]), ([5, 6], [1])], 3)
+    assert stats == {"ngram": 3, "repeated_share": 4 / 12, "tau_outside_repeats": 1.5,
+                     "steps_outside_repeats_share": 2 / 5}
+    assert repetition_stats([(ids, [])], 3)["tau_outside_repeats"] is None
 
 
 def test_lookup_continuation():

@@ -32,6 +32,7 @@ def markdown(reports: dict) -> str:
                 f"{_fmt(r.get('speedup_vs_ar'))}{spread_txt} | {_fmt(r.get('speedup_bound'))} | "
                 f"{_fmt(sps and 1000 * sps['draft'], '.1f')} | {_fmt(sps and 1000 * sps['verify'], '.1f')} | {split} |")
         lines.append("")
+        lines += repetition_lines(rep["methods"])
         server = {m: r for m, r in rep["methods"].items() if r.get("speedup_vs_llamacpp_server") is not None}
         if server:
             ls = rep.get("llama_server") or {}
@@ -62,6 +63,25 @@ def markdown(reports: dict) -> str:
             lines.append(f"T={rep['temperature'] or 1.0} token distribution of {m}: {verdict} ({detail}).")
         lines.append("")
     return "\n".join(lines)
+
+
+def repetition_lines(methods: dict) -> list[str]:
+    """How much of the output repeats itself, and each drafting method's τ away from the repeats
+    (`bench/repetition.py`); nothing for results made before the benchmark measured it."""
+    reps = {m: r["repetition"] for m, r in methods.items() if r.get("repetition")}
+    if not reps:
+        return []
+    shares = {m: x["repeated_share"] for m, x in reps.items()}
+    first = next(iter(shares))
+    share = (f"{100 * shares[first]:.0f}% of {first}'s output tokens" if len(set(shares.values())) == 1 else
+             ", ".join(f"{m} {100 * v:.0f}%" for m, v in shares.items()) + " of the output tokens")
+    away = [f"{m} {x['tau_outside_repeats']:.2f} ({100 * x['steps_outside_repeats_share']:.0f}% of its steps)"
+            for m, x in reps.items() if x.get("tau_outside_repeats") is not None and methods[m]["block_size"] > 1]
+    n = next(iter(reps.values()))["ngram"]
+    text = f"Repetition: {share} end a run of {n} tokens that occurred earlier in the same answer."
+    if away:
+        text += " τ on the verify steps that commit no repeated token: " + ", ".join(away) + "."
+    return [text, ""]
 
 
 def plots(reports: dict, out: Path) -> list[str]:

@@ -32,6 +32,7 @@ from ..engine import Generation
 from ..errors import BlockdraftError
 from ..spec import SpecConfig
 from .peers import SERVER_PEERS, Peers
+from .repetition import repetition_stats
 from .stats import chi2_homogeneity
 
 DATASETS = {
@@ -140,7 +141,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                         rep_tokens[m.name][1] += out.decode_seconds
                     entry = per[m.name]["prompts"].setdefault(rec["id"], {
                         "id": rec["id"], "token_ids": [o.token_ids for o in outs], "tokens_per_second": [],
-                        "tau": [o.tau for o in outs]})
+                        "tau": [o.tau for o in outs], "acceptance_lengths": [o.acceptance_lengths for o in outs]})
                     entry["tokens_per_second"].append([o.tokens_per_second for o in outs])
                 bar.update(1)
             for name, (tokens, seconds) in rep_tokens.items():
@@ -176,6 +177,8 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             # peers: decode time after the prefill, per verify step (speculative) or per token (plain)
             "decode_seconds_per_step": (p["seconds"] - p["prefill_seconds"]) / (p["steps"] or max(1, p["tokens"]))
             if m.peer else None,
+            "repetition": repetition_stats([pair for q in p["prompts"].values()
+                                            for pair in zip(q["token_ids"], q["acceptance_lengths"])]),
             "prompts": list(p["prompts"].values()),
         }
     if "ar" in results:
