@@ -209,6 +209,25 @@ class DrafterBase(nn.Module):
             return self.markov_chain(hidden, lm_head_weight, previous)[0]
         return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
 
+    def markov_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int, previous: torch.Tensor):
+        """A Markov-head drafter's candidates for a tree, where each position's distribution
+        depends on the token before it. Returns (tokens [B, n, k], probs [B, n, k], children):
+        the k most probable tokens (target ids) of each position along the greedy chain
+        (position 1's given `previous` [B], the token before the block, hold for every tree),
+        and `children(row, d, token)`, the k most probable tokens of block position d + 1
+        (0-based d >= 1) given `token` at position d, with their probabilities (lists)."""
+        base = self.draft_logits(hidden, lm_head_weight)
+        _, logits = self.markov_chain(hidden, lm_head_weight, previous)
+        top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+        def children(row: int, d: int, token: int) -> tuple[list[int], list[float]]:
+            prev = torch.tensor([token], device=base.device)
+            dist = torch.softmax((base[row, d] + self.markov_head(prev)[0].to(base.dtype)).float(), dim=-1)
+            best = dist.topk(k)
+            return self.to_target_ids(best.indices).tolist(), best.values.tolist()
+
+        return self.to_target_ids(top.indices), top.values, children
+
     def draft_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int,
                          previous: torch.Tensor | None = None):
         """The k most probable draft tokens (target ids) at each position and their
@@ -217,8 +236,8 @@ class DrafterBase(nn.Module):
         given the token drafted before it."""
         if getattr(self, "markov_head", None) is not None and previous is not None:
             if k != 1:
-                raise BlockdraftError("a drafter with a Markov head drafts a chain (each position depends on the "
-                                      "token before it); tree drafting (dflash-tree) needs a plain DFlash drafter")
+                raise BlockdraftError("a drafter with a Markov head has per-branch candidates (each position "
+                                      "depends on the token before it): use markov_candidates for a tree")
             tokens, logits = self.markov_chain(hidden, lm_head_weight, previous)
             probs = torch.softmax(logits.float(), dim=-1).max(-1).values
             return tokens[..., None], probs[..., None]

@@ -97,7 +97,8 @@ class SpeculationPolicy:
             if self.depth == 0:
                 return DraftTree.chain(pending, tokens[..., 0])
             self.has_probs = True
-            tree = build_tree(pending, tokens, probs, self.block - 1, self.calibration.apply(probs))
+            tree = build_tree(pending, tokens, probs, self.block - 1, self.calibration.apply(probs),
+                              children=draft.children, factors=self.calibration.factors().tolist())
             if self.adaptive:
                 tree = tree.prefix(best_width(tree.scores[:, 1:], self.costs, batch) + 1)
             self.expected = 1.0 + float(tree.scores[:, 1:].sum(1).mean())

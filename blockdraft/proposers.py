@@ -10,6 +10,7 @@ choice (`blockdraft.policy`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,6 +28,10 @@ class Draft:
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    # a tree proposer whose candidates depend on the token before them (a Markov head):
+    # children(row, d, token) -> the k best tokens of position d + 1 below `token` at position d,
+    # and their probabilities; tokens / probs then hold those along the greedy chain
+    children: Callable | None = None
 
 
 class Proposer:
@@ -134,7 +139,8 @@ class DFlashProposer(Proposer):
 class DFlashTreeProposer(DFlashProposer):
     """The same drafter pass, read as a tree: the `top_k` most probable tokens of every block
     position with their probabilities; the loop's policy grows the tree best first from them
-    (`tree.build_tree`) and verifies it in one target forward."""
+    (`tree.build_tree`) and verifies it in one target forward. With a Markov head each node's
+    children are the top_k of the next position corrected by that node's own token."""
 
     name = "dflash-tree"
     drafts_trees = True
@@ -142,9 +148,6 @@ class DFlashTreeProposer(DFlashProposer):
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, top_k: int = 32, tree_nodes: int = 16,
                  draft_window: int | str | None = "auto"):
-        if drafter.markov_head is not None:
-            raise BlockdraftError("this drafter has a Markov head: each draft depends on the token drafted "
-                                  "before it, so it drafts chains (dflash, dflash-cut), not trees")
         if target.attention_chunk:
             raise BlockdraftError(
                 "tree verification needs float32 target weights: with quantized weights a token "
@@ -166,6 +169,8 @@ class DFlashTreeProposer(DFlashProposer):
         if hidden is None:
             empty = last_tokens.new_zeros(last_tokens.shape[0], 0, self.top_k)
             return Draft(empty, empty.float())
+        if self.drafter.markov_head is not None:  # each branch's candidates given its own last token
+            return Draft(*self.drafter.markov_candidates(hidden, self.target.lm_head.weight, self.top_k, last_tokens))
         tokens, p = self.drafter.draft_candidates(hidden, self.target.lm_head.weight, self.top_k)
         return Draft(tokens, p)
 

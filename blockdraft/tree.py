@@ -6,7 +6,9 @@ position's argmax; a tree also keeps the runners-up. `build_tree` grows, per row
 position d, its estimated probability of being accepted is the product of its path's
 (calibrated) draft probabilities, and nodes are added best first, so every prefix of
 the node list is itself a tree (a parent always comes before its children) and the
-scores never increase along the list. Children of a node hold distinct tokens.
+scores never increase along the list. Children of a node hold distinct tokens. With a
+Markov head a position's candidates depend on the token before it: each node's children
+are then the top-k of the next position given that node's token (`children`).
 
 Verification (`DecodeLoop`): node i sits at position committed + depth(i) in cache slot
 committed + i and sees the committed context and its own ancestors (`visible`). The
@@ -98,13 +100,19 @@ class DraftTree:
 
 
 def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs: torch.Tensor,
-               nodes: int, estimates: torch.Tensor | None = None) -> DraftTree:
+               nodes: int, estimates: torch.Tensor | None = None, children=None,
+               factors: list[float] | None = None) -> DraftTree:
     """Grow each row's tree best first from per-position candidates.
 
     cand_tokens / cand_probs [B, n, k]: for block positions 1..n, k distinct candidate tokens
     sorted by draft probability (descending) and those probabilities; `estimates` [B, n, k]:
     the acceptance estimates that order the nodes (default: the probabilities themselves,
-    see `Calibration.apply`). Every row gets min(nodes, what the candidates allow) nodes."""
+    see `Calibration.apply`). Every row gets min(nodes, what the candidates allow) nodes.
+
+    Where a position's candidates depend on the token before it (a Markov head), `children(row,
+    d, token)` gives the k candidates of position d + 1 (0-based d) below a node holding `token`
+    at position d, with their probabilities; cand_* then serve for position 1 only, and a
+    child's estimate is min(1, factors[d] * probability) (`Calibration.factors`, default 1)."""
     b, n, k = cand_tokens.shape
     estimates = cand_probs if estimates is None else estimates
     possible = sum(k ** d for d in range(1, n + 1)) if k > 1 else n
@@ -117,19 +125,26 @@ def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs:
     out_prob = [[1.0] + [0.0] * count for _ in range(b)]
     for row in range(b):
         p, raw, tok = est_list[row], probs_list[row], tokens_list[row]
+        below = {0: (tok[0], raw[0], p[0])}  # with `children`: each node's candidates one position deeper
         # (-score, tie-break, depth index, rank, parent node, parent's score)
         heap = [(-p[0][0], 0, 0, 0, 0, 1.0)]
         tie = 0
         for node in range(1, count + 1):
             neg, _, d, r, parent, parent_score = heapq.heappop(heap)
-            out_tok[row][node], out_par[row][node] = tok[d][r], parent
-            out_dep[row][node], out_score[row][node], out_prob[row][node] = d + 1, -neg, raw[d][r]
+            c_tok, c_raw, c_est = below[parent] if children is not None else (tok[d], raw[d], p[d])
+            out_tok[row][node], out_par[row][node] = c_tok[r], parent
+            out_dep[row][node], out_score[row][node], out_prob[row][node] = d + 1, -neg, c_raw[r]
             if d + 1 < n:  # first child: the best candidate one position deeper
+                if children is not None:
+                    t_next, p_next = children(row, d + 1, c_tok[r])
+                    f = factors[d + 1] if factors is not None else 1.0
+                    below[node] = (t_next, p_next, [min(1.0, f * x) for x in p_next])
+                first = below[node][2][0] if children is not None else p[d + 1][0]
                 tie += 1
-                heapq.heappush(heap, (neg * p[d + 1][0], tie, d + 1, 0, node, -neg))
+                heapq.heappush(heap, (neg * first, tie, d + 1, 0, node, -neg))
             if r + 1 < k:  # next sibling: the parent's next candidate at this position
                 tie += 1
-                heapq.heappush(heap, (-parent_score * p[d][r + 1], tie, d, r + 1, parent, parent_score))
+                heapq.heappush(heap, (-parent_score * c_est[r + 1], tie, d, r + 1, parent, parent_score))
     device = cand_tokens.device
 
     def t(values, dtype=torch.long):

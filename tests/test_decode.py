@@ -11,7 +11,7 @@ import torch
 from blockdraft.batcher import Batcher, generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.proposers import DFlashProposer, Draft, Proposer
+from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, Draft, Proposer
 from blockdraft.sequences import Request
 
 from .conftest import computed_once
@@ -332,8 +332,20 @@ def test_a_markov_head_drafts_a_chain_on_the_token_before_and_decoding_stays_exa
     assert not torch.equal(tokens, base.argmax(-1))  # the head changed drafts
     (got, probs) = drafter.draft_candidates(hidden, head, 1, previous)
     assert torch.equal(got[..., 0], tokens) and bool((probs > 0).all() and (probs <= 1).all())
-    with pytest.raises(BlockdraftError, match="chain"):
+    with pytest.raises(BlockdraftError, match="markov_candidates"):
         drafter.draft_candidates(hidden, head, 2, previous)
+    # a tree's candidates: position 1's given the token before the block (the chain's), and below
+    # any node the next position's top k corrected by that node's own token
+    cand, cand_p, children = drafter.markov_candidates(hidden, head, 4, previous)
+    assert torch.equal(cand[..., 0], tokens) and torch.equal(cand_p[..., 0], probs[..., 0])
+    other = int(cand[1, 0, 1])  # the runner-up at position 1 of row 1
+    dist = torch.softmax(base[1, 1] + drafter.markov_head(torch.tensor([other]))[0], -1).topk(4)
+    got_t, got_p = children(1, 1, other)
+    assert got_t == dist.indices.tolist() and got_p == pytest.approx(dist.values.tolist(), rel=1e-5)
+    assert got_t != cand[1, 1].tolist()  # not the chain's candidates: its parent differs
     states = run(smol, DFlashProposer(drafter, smol), chat_ids[:4], 8)
+    for ids, out, ours in zip(chat_ids, states, ours_greedy):
+        assert out.output_ids == ours
+    states = run(smol, DFlashTreeProposer(drafter, smol, top_k=4), chat_ids[:4], 9)
     for ids, out, ours in zip(chat_ids, states, ours_greedy):
         assert out.output_ids == ours

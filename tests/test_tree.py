@@ -386,3 +386,52 @@ def test_a_seed_gives_the_same_tokens_with_trees_cuts_and_without(tiny):  # noqa
                 pass
             outs[name] = [s.output_ids for s in states]
         assert outs["ar"] == outs["tree"] == outs["cut"]
+
+
+def test_children_that_depend_on_the_parent_token_grow_the_tree_best_first():
+    """A Markov head's tree: the candidates below a node come from `children(row, d, token)`,
+    so two nodes at the same position have different children, and the order stays best first
+    by path probability (11 -> 30 at 0.35 * 0.9 comes before 10 -> 20 at 0.6 * 0.5)."""
+    asked = []
+
+    def children(row, d, token):
+        asked.append((row, d, token))
+        return {10: ([20, 21], [0.5, 0.4]), 11: ([30, 31], [0.9, 0.1]), 12: ([40, 41], [0.7, 0.3])}[token]
+
+    tokens = torch.tensor([[[10, 11, 12], [0, 0, 0]]])  # position 2's row is not read: children give it
+    probs = torch.tensor([[[0.6, 0.35, 0.05], [0.0, 0.0, 0.0]]])
+    tree = build_tree(torch.tensor([7]), tokens, probs, 4, children=children)
+    assert tree.tokens.tolist() == [[7, 10, 11, 30, 20]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 2, 1]] and tree.depths.tolist() == [[0, 1, 1, 2, 2]]
+    assert tree.scores[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.35 * 0.9, 0.6 * 0.5])
+    assert tree.probs[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.9, 0.5])
+    assert sorted(asked) == [(0, 1, 10), (0, 1, 11)]  # only nodes in the tree are expanded
+    # a calibration factor for position 2 scales its estimates (the order), not its probabilities:
+    # at 0.1, 12 (0.05) comes before 11 -> 30 (0.35 * 0.09)
+    tree = build_tree(torch.tensor([7]), tokens, probs, 4, children=children, factors=[1.0, 0.1])
+    assert tree.tokens.tolist() == [[7, 10, 11, 12, 30]]
+    assert tree.scores[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.05, 0.35 * 0.09])
+    assert tree.probs[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.05, 0.9])
+
+
+def test_a_markov_head_tree_gives_the_targets_tokens_with_any_seed(tiny):  # noqa: F811
+    """dflash-tree with a Markov-head drafter (each node's children corrected by its own token):
+    the same tokens as plain decoding, greedy and seeded at T > 0."""
+    _, target, plain = tiny
+    torch.manual_seed(11)
+    cfg = plain.config.__class__.from_dict({**plain.config.to_dict(), "markov_rank": 8})
+    drafter = type(plain)(cfg).eval()
+    drafter.reset_parameters()
+    with torch.no_grad():  # a strong head, so that the children depend on their parent's token
+        drafter.markov_head.markov_w1.weight.mul_(30)
+        drafter.markov_head.markov_w2.weight.mul_(30)
+    for params in CASES:
+        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(24)]
+        outs = {}
+        for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashTreeProposer(drafter, target, top_k=3), 9)]:
+            states = []
+            for _ in generate_steps(target, proposer, reqs, block, states):
+                pass
+            outs[name] = [s.output_ids for s in states]
+        assert outs["ar"] == outs["tree"]
