@@ -43,16 +43,18 @@ KINDS = {
 }
 
 
-def data_summary(folder: str) -> tuple[collections.Counter, int, int]:
-    """Samples per prompt source (the id's prefix), and the training / held-out counts."""
+def data_summary(folder: str) -> tuple[collections.Counter, int, int, int]:
+    """Samples per prompt source (the id's prefix), the training / held-out counts, and how
+    many answers were sampled (a temperature recorded) rather than greedy."""
     from blockdraft.train.data import iter_samples
 
-    sources, train, valid = collections.Counter(), 0, 0
+    sources, train, valid, sampled = collections.Counter(), 0, 0, 0
     for sample in iter_samples(folder):
         sources[sample["id"].split("/", 1)[0]] += 1
         valid += sample.get("split") == "valid"
         train += sample.get("split") != "valid"
-    return sources, train, valid
+        sampled += bool(sample.get("temperature"))
+    return sources, train, valid, sampled
 
 
 def scaling_table(path: str, arch: str = "dflash") -> str:
@@ -159,7 +161,10 @@ def ship(args, run: Path, arch: str):
         *[f"| {DATASETS[d]} | first {samples[d]} | " + " | ".join(f"{taus[d][n]:.2f}" for n in names) + " |"
           for d in taus],
     ])
-    sources, train, valid = data_summary(cfg["data"])
+    sources, train, valid, sampled = data_summary(cfg["data"])
+    answers = ("greedily" if not sampled else
+               f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)")
+    folders = ", ".join(f"`{f}`" for f in cfg["data"].split(","))
     presented = state["step"] * cfg["batch_size"]  # sequences trained on (a WSD branch: its first ones)
     distinct = min(train, cfg.get("limit_samples") or train, presented)
     epochs = presented / distinct
@@ -177,19 +182,28 @@ def ship(args, run: Path, arch: str):
                  f"{cfg['block_size']} (drafted in one pass), target layers {drafter.config.target_layer_ids}, "
                  f"mask token {cfg['mask_token_id']}")
         fmt = "Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
+        if cfg.get("markov_rank"):
+            head = sum(p.numel() for p in drafter.markov_head.parameters())
+            shape += (f", a rank-{cfg['markov_rank']} Markov head ({head / 1e6:.1f}M of the parameters: each "
+                      "position's logits corrected by the token before it, DSpark's vanilla head)")
+            fmt = ("The z-lab format plus DSpark's Markov-head keys (`markov_rank`, `markov_head_type`, "
+                   "`sample_from_anchor`); `blockdraft export drafter` writes DeepSpec's layout, `blockdraft export "
+                   "gguf-drafter` llama.cpp's draft-dspark GGUF.")
     else:
         shape = (f"1 decoder layer, {n_params / 1e6:.1f}M parameters, chains of up to {cfg['block_size'] - 1} "
                  f"tokens (one pass per token), target layers {drafter.config.target_layer_ids} fused by `fc`")
         fmt = "blockdraft's own format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
-    card = f"""# {kind['title']} for SmolLM2-135M-Instruct
+    flag = f" --markov-rank {cfg['markov_rank']}" if cfg.get("markov_rank") else ""
+    title = "DSpark-style drafter (DFlash with a Markov head)" if cfg.get("markov_rank") else kind["title"]
+    card = f"""# {title} for SmolLM2-135M-Instruct
 
-Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}` (the open recipe in this repository) on
+Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}{flag}` (the open recipe in this repository) on
 this project's CPU machine; {kind['use']}. {fmt}
 
 | | |
 |---|---|
 | drafter | {shape}, draft vocabulary {vocab}, initialised from {init} |
-| data | answers regenerated greedily by SmolLM2-135M-Instruct (`{cfg['data']}`, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
+| data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
 | training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
 | training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}{precision}, torch {torch.__version__}) |
 {parent}
