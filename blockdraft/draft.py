@@ -190,7 +190,10 @@ class DrafterBase(nn.Module):
         """The Markov head's greedy chain over a block's positions, left to right: position k's
         logits get the correction for the token drafted at k - 1 (`previous` [B], the last
         committed token, before the first). Returns (tokens [B, n] target ids, the logits [B, n, V'])."""
-        base = self.draft_logits(hidden, lm_head_weight)
+        return self._chain(self.draft_logits(hidden, lm_head_weight), previous)
+
+    def _chain(self, base: torch.Tensor, previous: torch.Tensor):
+        """`markov_chain` from the backbone's logits [B, n, V']."""
         out, tokens = [], []
         for k in range(base.shape[1]):
             logits = base[:, k] + self.markov_head(previous).to(base.dtype)
@@ -217,7 +220,7 @@ class DrafterBase(nn.Module):
         and `children(row, d, token)`, the k most probable tokens of block position d + 1
         (0-based d >= 1) given `token` at position d, with their probabilities (lists)."""
         base = self.draft_logits(hidden, lm_head_weight)
-        _, logits = self.markov_chain(hidden, lm_head_weight, previous)
+        _, logits = self._chain(base, previous)
         top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
         def children(row: int, d: int, token: int) -> tuple[list[int], list[float]]:

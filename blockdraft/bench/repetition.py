@@ -1,4 +1,4 @@
-"""How much of an answer repeats itself, and τ away from the repeats.
+"""How much of an answer repeats itself, and τ outside the repeats.
 
 A small target decoding greedily often loops (the same lines, again and again), and any
 drafter (prompt lookup above all) predicts a loop easily, so loops raise τ without saying
@@ -54,7 +54,7 @@ def repetition_stats(outputs: list[tuple[list[int], list[int]]], n: int = REPEAT
 
 def table(results_dir: str, n: int = REPEAT_NGRAM) -> str:
     """A markdown table of a `blockdraft bench --out DIR` folder's repetition, per dataset and
-    method, recomputed from its results.json files (τ away from repeats needs results made
+    method, recomputed from its results.json files (τ outside repeats needs results made
     since the benchmark kept each prompt's acceptance lengths)."""
     import json
     from pathlib import Path
@@ -68,10 +68,10 @@ def table(results_dir: str, n: int = REPEAT_NGRAM) -> str:
                        for ids, lengths in zip(q["token_ids"], q.get("acceptance_lengths") or [[]] * len(q["token_ids"]))]
             x = repetition_stats(outputs, n)
             tau = "-" if r.get("tau") is None else f"{r['tau']:.2f}"
-            away = "-" if x["tau_outside_repeats"] is None else f"{x['tau_outside_repeats']:.2f}"
+            outside = "-" if x["tau_outside_repeats"] is None else f"{x['tau_outside_repeats']:.2f}"
             steps = "-" if x["tau_outside_repeats"] is None else f"{100 * x['steps_outside_repeats_share']:.0f}%"
             lines.append(f"| {rep['dataset']} | {name} | {sum(len(i) for i, _ in outputs)} | "
-                         f"{100 * x['repeated_share']:.1f}% | {tau} | {away} | {steps} |")
+                         f"{100 * x['repeated_share']:.1f}% | {tau} | {outside} | {steps} |")
     return "\n".join(lines)
 
 

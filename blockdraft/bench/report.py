@@ -66,7 +66,7 @@ def markdown(reports: dict) -> str:
 
 
 def repetition_lines(methods: dict) -> list[str]:
-    """How much of the output repeats itself, and each drafting method's τ away from the repeats
+    """How much of the output repeats itself, and each drafting method's τ outside the repeats
     (`bench/repetition.py`); nothing for results made before the benchmark measured it."""
     reps = {m: r["repetition"] for m, r in methods.items() if r.get("repetition")}
     if not reps:
@@ -75,12 +75,12 @@ def repetition_lines(methods: dict) -> list[str]:
     first = next(iter(shares))
     share = (f"{100 * shares[first]:.0f}% of {first}'s output tokens" if len(set(shares.values())) == 1 else
              ", ".join(f"{m} {100 * v:.0f}%" for m, v in shares.items()) + " of the output tokens")
-    away = [f"{m} {x['tau_outside_repeats']:.2f} ({100 * x['steps_outside_repeats_share']:.0f}% of its steps)"
+    outside = [f"{m} {x['tau_outside_repeats']:.2f} ({100 * x['steps_outside_repeats_share']:.0f}% of its steps)"
             for m, x in reps.items() if x.get("tau_outside_repeats") is not None and methods[m]["block_size"] > 1]
     n = next(iter(reps.values()))["ngram"]
     text = f"Repetition: {share} end a run of {n} tokens that occurred earlier in the same answer."
-    if away:
-        text += " τ on the verify steps that commit no repeated token: " + ", ".join(away) + "."
+    if outside:
+        text += " τ on the verify steps that commit no repeated token: " + ", ".join(outside) + "."
     return [text, ""]
 
 
