@@ -675,8 +675,8 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
 
 
 def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, tmp_path):
-    """`--position-dir` writes the weights and the schedule position without the optimizer state;
-    (weights in fp16); `train --resume-from` continues from it: from a full checkpoint bit for bit as the straight
+    """`--position-dir` writes the weights (in fp16) and the schedule position without the optimizer
+    state; `train --resume-from` continues from it: from a full checkpoint bit for bit as the straight
     run, from the position alone with the same schedule (learning rates, steps) and AdamW's
     moments rebuilt; the run's settings cannot be changed on the way."""
     from blockdraft.cli import main

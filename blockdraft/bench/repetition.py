@@ -30,7 +30,11 @@ def steps_outside_repeats(ids: list[int], lengths: list[int], n: int = REPEAT_NG
     """The acceptance lengths of the verify steps that commit no repeated token. The first
     output token comes from the prefill; step j then commits the `lengths[j]` tokens after
     those of the steps before it (the last step's may be cut by the token limit or a stop)."""
-    mask = repeated_mask(ids, n)
+    return _steps_outside(repeated_mask(ids, n), lengths)
+
+
+def _steps_outside(mask: list[bool], lengths: list[int]) -> list[int]:
+    """`steps_outside_repeats` from an answer's `repeated_mask`."""
     kept, start = [], 1
     for a in lengths:
         if not any(mask[start: start + a]):
@@ -43,10 +47,11 @@ def repetition_stats(outputs: list[tuple[list[int], list[int]]], n: int = REPEAT
     """Over (output ids, acceptance lengths) pairs of one method: the share of output tokens
     that repeat, τ over the steps that commit no repeated token and the share of steps that
     are such (both None when the method reports no acceptance lengths)."""
-    tokens = sum(len(ids) for ids, _ in outputs)
-    repeated = sum(sum(repeated_mask(ids, n)) for ids, _ in outputs)
+    masks = [repeated_mask(ids, n) for ids, _ in outputs]
+    tokens = sum(len(mask) for mask in masks)
+    repeated = sum(sum(mask) for mask in masks)
     steps = sum(len(lengths) for _, lengths in outputs)
-    fresh = [a for ids, lengths in outputs for a in steps_outside_repeats(ids, lengths, n)]
+    fresh = [a for mask, (_, lengths) in zip(masks, outputs) for a in _steps_outside(mask, lengths)]
     return {"ngram": n, "repeated_share": repeated / tokens if tokens else 0.0,
             "tau_outside_repeats": sum(fresh) / len(fresh) if fresh else None,
             "steps_outside_repeats_share": len(fresh) / steps if steps else None}
