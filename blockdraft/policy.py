@@ -97,8 +97,7 @@ class SpeculationPolicy:
             if self.depth == 0:
                 return DraftTree.chain(pending, tokens[..., 0])
             self.has_probs = True
-            tree = build_tree(pending, tokens, probs, self.block - 1, self.calibration.apply(probs),
-                              children=draft.children, factors=self.calibration.factors().tolist())
+            tree = build_tree(pending, tokens, probs, self.block - 1, self.calibration, children=draft.children)
             if self.adaptive:
                 tree = tree.prefix(best_width(tree.scores[:, 1:], self.costs, batch) + 1)
             self.expected = 1.0 + float(tree.scores[:, 1:].sum(1).mean())

@@ -100,21 +100,19 @@ class DraftTree:
 
 
 def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs: torch.Tensor,
-               nodes: int, estimates: torch.Tensor | None = None, children=None,
-               factors: list[float] | None = None) -> DraftTree:
+               nodes: int, calibration: "Calibration | None" = None, children=None) -> DraftTree:
     """Grow each row's tree best first from per-position candidates.
 
     cand_tokens / cand_probs [B, n, k]: for block positions 1..n, k distinct candidate tokens
-    sorted by draft probability (descending) and those probabilities; `estimates` [B, n, k]:
-    the acceptance estimates that order the nodes (default: the probabilities themselves,
-    see `Calibration.apply`). Every row gets min(nodes, what the candidates allow) nodes.
+    sorted by draft probability (descending) and those probabilities. Nodes are ordered by their
+    acceptance estimates, `calibration.apply` of the probabilities (without one: the
+    probabilities themselves). Every row gets min(nodes, what the candidates allow) nodes.
 
     Where a position's candidates depend on the token before it (a Markov head), `children(row,
     d, token)` gives the k candidates of position d + 1 (0-based d) below a node holding `token`
-    at position d, with their probabilities; cand_* then serve for position 1 only, and a
-    child's estimate is min(1, factors[d] * probability) (`Calibration.factors`, default 1)."""
+    at position d, with their probabilities; cand_* then serve for position 1 only."""
     b, n, k = cand_tokens.shape
-    estimates = cand_probs if estimates is None else estimates
+    estimates = cand_probs if calibration is None else calibration.apply(cand_probs)
     possible = sum(k ** d for d in range(1, n + 1)) if k > 1 else n
     count = min(nodes, possible)
     probs_list, est_list, tokens_list = cand_probs.tolist(), estimates.tolist(), cand_tokens.tolist()
@@ -137,8 +135,9 @@ def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs:
             if d + 1 < n:  # first child: the best candidate one position deeper
                 if children is not None:
                     t_next, p_next = children(row, d + 1, c_tok[r])
-                    f = factors[d + 1] if factors is not None else 1.0
-                    below[node] = (t_next, p_next, [min(1.0, f * x) for x in p_next])
+                    e_next = p_next if calibration is None else \
+                        calibration.apply(torch.tensor(p_next)[None, None], first=d + 1)[0, 0].tolist()
+                    below[node] = (t_next, p_next, e_next)
                 first = below[node][2][0] if children is not None else p[d + 1][0]
                 tie += 1
                 heapq.heappush(heap, (neg * first, tie, d + 1, 0, node, -neg))
@@ -168,10 +167,12 @@ class Calibration:
     def factors(self) -> torch.Tensor:
         return (self.accepted + 1) / (self.predicted + 1)
 
-    def apply(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [B, n, k] for block positions 1..n -> calibrated acceptance estimates."""
+    def apply(self, probs: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """probs [B, n, k] for block positions first + 1..first + n -> calibrated acceptance
+        estimates."""
         n = probs.shape[1]
-        return (probs.double() * self.factors()[:n, None]).clamp(max=1.0).to(probs.dtype)
+        factors = self.factors()[first:first + n, None].to(probs.device)
+        return (probs.double() * factors).clamp(max=1.0).to(probs.dtype)
 
     def update(self, tree: DraftTree, on_path: torch.Tensor, rows: torch.Tensor | None = None):
         """After a verify: `on_path` [B, T] from `DraftTree.accept`; `rows` [B] bool selects the

@@ -408,7 +408,10 @@ def test_children_that_depend_on_the_parent_token_grow_the_tree_best_first():
     assert sorted(asked) == [(0, 1, 10), (0, 1, 11)]  # only nodes in the tree are expanded
     # a calibration factor for position 2 scales its estimates (the order), not its probabilities:
     # at 0.1, 12 (0.05) comes before 11 -> 30 (0.35 * 0.09)
-    tree = build_tree(torch.tensor([7]), tokens, probs, 4, children=children, factors=[1.0, 0.1])
+    calibration = tree_mod.Calibration(2)
+    calibration.predicted[1] = 9.0  # factors (0 + 1) / (0 + 1) and (0 + 1) / (9 + 1)
+    assert calibration.factors().tolist() == pytest.approx([1.0, 0.1])
+    tree = build_tree(torch.tensor([7]), tokens, probs, 4, calibration, children=children)
     assert tree.tokens.tolist() == [[7, 10, 11, 12, 30]]
     assert tree.scores[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.05, 0.35 * 0.09])
     assert tree.probs[0].tolist() == pytest.approx([1.0, 0.6, 0.35, 0.05, 0.9])

@@ -302,18 +302,17 @@ def pack(work: Path, out: Path, budget: int = 60 * 2**20):
 
     run = work / "train"
     if (run / "drafter").is_dir():
-        from safetensors.torch import load_file, save_file
+        import torch
+        from safetensors.torch import load_file
 
+        from blockdraft.checkpoint import write_model_folder
+
+        half = work / "drafter-fp16"  # the drafter's folder with fp16 weights (half the bytes)
+        write_model_folder(half, json.loads((run / "drafter" / "config.json").read_text()),
+                           load_file(str(run / "drafter" / "model.safetensors")), dtype=torch.float16)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            for f in sorted((run / "drafter").iterdir()):
-                if f.suffix == ".safetensors":
-                    half = {k: (v.half() if v.is_floating_point() else v) for k, v in load_file(str(f)).items()}
-                    tmp = work / f.name
-                    save_file(half, str(tmp))
-                    tar.add(tmp, arcname=f"drafter/{f.name}")
-                else:
-                    tar.add(f, arcname=f"drafter/{f.name}")
+            tar.add(half, arcname="drafter")
             for name in ("metrics.jsonl", "blocks.json"):
                 if (run / name).exists():
                     tar.add(run / name, arcname=name)
