@@ -1,4 +1,4 @@
-"""Training: anchors and masks, train/inference consistency, resume after SIGKILL, DDP."""
+"""Training: anchors and masks, train/inference consistency, resume after SIGKILL or a stop signal, DDP."""
 
 import json
 import os
@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,25 +217,37 @@ def drafter_weights(folder):
     return DFlashDrafter.load(folder).state_dict()
 
 
-def test_sigkill_then_resume_gives_the_same_weights_as_an_uninterrupted_run(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_a_killed_or_stopped_run_resumes_to_the_same_weights_as_an_uninterrupted_run(tiny_corpus, tmp_path, sig):
+    """SIGKILL: --resume continues from the last periodic checkpoint (every 3 steps). SIGTERM /
+    SIGINT: the run stops at the end of the step it is in with a checkpoint there (none are due:
+    --save-every 1000) and exits with the shell's code for the signal. Either way the resumed run
+    ends with the straight run's weights, bit for bit, and logs every step once."""
     root = tiny_corpus[0]
-    # 60 steps: the kill below lands at step 7 or soon after, and a tiny run of 12 steps could
+    # 60 steps: the signal below lands at step 7 or soon after, and a tiny run of 12 steps could
     # finish (~0.3 s) before the poll saw step 7 on a loaded machine
     steps = ("--max-steps", "60")
     straight = train_cli(root, tmp_path / "straight", *steps)
     assert straight.wait(timeout=600) == 0, straight.stderr.read()
-    killed = train_cli(root, tmp_path / "killed", *steps)
+    graceful = sig != signal.SIGKILL
+    killed = train_cli(root, tmp_path / "killed", *steps, *(("--save-every", "1000") if graceful else ()))
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline:  # let it pass a checkpoint or two, then kill it mid-run
+    while time.time() < deadline:  # let it pass a checkpoint or two, then stop it mid-run
         if metrics.is_file() and any(json.loads(l)["step"] >= 7 for l in metrics.read_text().splitlines() if l):
             break
         time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    assert killed.returncode == -signal.SIGKILL
+    killed.send_signal(sig)
+    _, err = killed.communicate(timeout=600)
     state = json.loads((tmp_path / "killed" / "checkpoint" / "state.json").read_text())
-    assert 3 <= state["step"] < 60
+    if graceful:
+        assert killed.returncode == 128 + sig, err
+        logged = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+        assert 7 <= state["step"] == logged[-1] < 60  # the step it was in, saved although none was due
+        assert f"stopped at step {state['step']} of 60" in err
+    else:
+        assert killed.returncode == -signal.SIGKILL
+        assert 3 <= state["step"] < 60
     resumed = train_cli(root, tmp_path / "killed", *steps, "--resume")
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "killed" / "drafter")
@@ -253,6 +266,58 @@ def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 13))
     assert records[-1]["loss"] < records[0]["loss"]
     assert "tau" in records[-1]
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank`: a descendant of the launcher with RANK=rank in its
+    environment (Linux's /proc)."""
+    def parent(pid: int) -> int:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or f"RANK={rank}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            pid = int(entry.name)
+            while pid > 1 and pid != launcher_pid:
+                pid = parent(pid)
+        except OSError:
+            continue
+        if pid == launcher_pid:
+            return int(entry.name)
+    return None
+
+
+def test_a_stop_signal_to_one_ddp_process_stops_both_at_the_next_checkpoint(tiny_corpus, tmp_path):
+    """DDP: SIGTERM reaches only rank 1; both processes agree at the next checkpoint step (every
+    5), save there and stop; --resume on two processes ends with the straight run's weights."""
+    root = tiny_corpus[0]
+    steps = ("--max-steps", "200", "--save-every", "5")  # long enough for the signal to land mid-run
+    straight = train_cli(root, tmp_path / "straight", *steps, nproc=2)
+    out, err = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out + err
+    stopped = train_cli(root, tmp_path / "stopped", *steps, nproc=2)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.is_file() and any(json.loads(l)["step"] >= 7 for l in metrics.read_text().splitlines() if l):
+            break
+        time.sleep(0.05)
+    pid = worker_pid(stopped.pid, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    out, err = stopped.communicate(timeout=600)
+    assert stopped.returncode != 0  # torchrun reports its workers' exit code 143 as a failure
+    state = json.loads((tmp_path / "stopped" / "checkpoint" / "state.json").read_text())
+    assert 10 <= state["step"] < 200 and state["step"] % 5 == 0, out + err
+    logged = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert logged[-1] == state["step"], out + err  # both stopped there: rank 0 logs and saved nothing after
+    assert f"stopped at step {state['step']} of 200" in err
+    resumed = train_cli(root, tmp_path / "stopped", *steps, "--resume", nproc=2)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out + err
+    a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "stopped" / "drafter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_eagle_training_forward_equals_the_decode_chain(tiny_corpus):

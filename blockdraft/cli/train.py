@@ -69,8 +69,9 @@ def cmd_train(args) -> int:
     elif not settings.get("data"):
         raise BlockdraftError("train needs --data (a folder of regenerated samples) or --resume-from")
     cfg = TrainConfig(**settings)
-    Trainer(cfg, resume=resume, position_dir=args.position_dir).run()
-    return 0
+    trainer = Trainer(cfg, resume=resume, position_dir=args.position_dir)
+    trainer.run()
+    return 0 if trainer.stopped_by is None else 128 + trainer.stopped_by  # the shell's code for a signal
 
 
 def register(sub, methods) -> None:

@@ -19,8 +19,10 @@ import copy
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -66,6 +68,7 @@ class Trainer:
         optimizer state (a folder small enough to commit; `blockdraft train --resume-from` continues it)."""
         self.cfg = cfg
         self.position_dir = Path(position_dir) if position_dir else None
+        self.stopped_by: int | None = None  # the signal that stopped `run` early, if one did
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         if self.world > 1 and not torch.distributed.is_initialized():
@@ -410,9 +413,54 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def _catch_stop_signals(self) -> dict:
+        """SIGINT / SIGTERM ask the loop to stop at a step boundary with a checkpoint (a second
+        one acts as before: the old handlers come back with the first). Returns the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old = {s: signal.getsignal(s) for s in self.STOP_SIGNALS}
+
+        def ask(signum, _frame):
+            self.stopped_by = signum
+            for s, h in old.items():
+                signal.signal(s, h)
+            if self.rank == 0:
+                print(f"\ntrain: {signal.Signals(signum).name}: stopping with a checkpoint at the end of this step "
+                      f"({'at the next checkpoint step, ' if self.world > 1 else ''}again to stop at once)",
+                      file=sys.stderr)
+
+        for s in self.STOP_SIGNALS:
+            signal.signal(s, ask)
+        return old
+
+    def _stop_now(self, at_checkpoint: bool) -> bool:
+        """Whether a stop signal ends the loop here: one process stops after the step it is in;
+        several agree at each checkpoint step (a signal may reach them at different steps, or
+        reach only some: every process takes part in the vote)."""
+        if self.world == 1:
+            return self.stopped_by is not None
+        if not at_checkpoint:
+            return False
+        flag = torch.tensor([0 if self.stopped_by is None else int(self.stopped_by)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.stopped_by = int(flag.item()) or None
+        return self.stopped_by is not None
+
     def run(self, until: int | None = None):
         """Train to cfg.max_steps (the schedule's length), or stop early at step `until` with a
-        checkpoint there (e.g. where a WSD decay branch leaves the run)."""
+        checkpoint there (e.g. where a WSD decay branch leaves the run). SIGINT / SIGTERM stop it
+        at a step boundary with a checkpoint (`stopped_by` names the signal; --resume continues
+        bit for bit)."""
+        old_handlers = self._catch_stop_signals()
+        try:
+            self._run(until)
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+
+    def _run(self, until: int | None):
         cfg = self.cfg
         stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         if self.rank == 0:
@@ -440,16 +488,23 @@ class Trainer:
                     record["tau"] = self.evaluate_tau()
                     bar.write(f"step {self.step}: loss {record['loss']:.3f}, tau {record['tau']:.2f}")
                 self.log(record)
-            if self.step % cfg.save_every == 0 or self.step == stop:
+            at_checkpoint = self.step % cfg.save_every == 0 or self.step == stop
+            if at_checkpoint:
                 self.save_checkpoint()
                 if self.world > 1:
                     torch.distributed.barrier()
+            if self._stop_now(at_checkpoint):
+                if not at_checkpoint:
+                    self.save_checkpoint()
+                bar.write(f"train: stopped at step {self.step} of {cfg.max_steps}, checkpoint in "
+                          f"{self.out / 'checkpoint'}; --resume continues", file=sys.stderr)
+                break
         bar.close()
         self.elapsed, self._t0 = self.elapsed + time.perf_counter() - self._t0, time.perf_counter()
         if self.features is not None and self.rank == 0:
             print(f"train: feature cache {self.features.folder}: {len(self.features)} samples, "
                   f"{self.features.hits} steps read it, {self.features.misses} ran the target", file=sys.stderr)
-        if self.step < cfg.max_steps:  # stopped at `until`: the checkpoint holds the state
+        if self.step < cfg.max_steps:  # stopped at `until` or by a signal: the checkpoint holds the state
             return
         if self.world > 1:  # DDP must leave every process with the same weights
             flat = torch.cat([p.detach().flatten() for p in self.drafter.parameters()])
@@ -461,5 +516,6 @@ class Trainer:
                 print(f"train: {self.world} processes in sync", file=sys.stderr)
         if self.rank == 0:
             self.drafter.save(self.out / "drafter")
-        if self.world > 1:
+        if self.world > 1:  # every process leaves together, once rank 0 has saved
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
