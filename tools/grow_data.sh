@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One session's data job for the default target (issue "Drafters that learn more per sample"):
+# the target writes PER_DOMAIN more user turns of each domain (code, chat, math; each for at most
+# a third of PROMPT_MINUTES), then answers every self-written prompt not yet answered, greedily,
+# for at most ANSWER_MINUTES. Both steps resume where a stopped run left off and never answer a
+# prompt twice, so the job can be stopped at any time (Ctrl-C) and started again.
+#
+#   tools/grow_data.sh [PER_DOMAIN [PROMPT_MINUTES [ANSWER_MINUTES]]]   # defaults: 1500 30 110
+#
+# Afterwards commit the new shards by their paths (data/prompts/smollm2-135m-instruct/synth-*,
+# data/regen/smollm2-135m-instruct-synth) and rewrite the data table of docs/training.md:
+#   .venv/bin/python benchmarks/data_table.py data/regen/* --doc docs/training.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+per_domain=${1:-1500}
+prompt_minutes=${2:-30}
+answer_minutes=${3:-110}
+bd=.venv/bin/blockdraft
+prompts=data/prompts/smollm2-135m-instruct
+
+kept() {  # prompts already kept in a domain's folder
+    local dir=$prompts/synth-$1
+    if compgen -G "$dir/shard-*.jsonl.gz" > /dev/null; then zcat "$dir"/shard-*.jsonl.gz | wc -l; else echo 0; fi
+}
+
+for domain in code chat math; do
+    want=$(( $(kept "$domain") + per_domain ))
+    echo "grow_data: $domain prompts up to $want ($(date -u +%H:%M))" >&2
+    $bd data prompts --synthesize "$want" --domain "$domain" --out "$prompts/synth-$domain" \
+        --dtype bfloat16 --seconds $(( prompt_minutes * 60 / 3 ))
+done
+echo "grow_data: answering ($(date -u +%H:%M))" >&2
+$bd data regenerate --prompts "$prompts" --mix synth-code=1,synth-math=1,synth-chat=1 \
+    --out data/regen/smollm2-135m-instruct-synth --dtype bfloat16 --seconds $(( answer_minutes * 60 ))
+echo "grow_data: done ($(date -u +%H:%M))" >&2
