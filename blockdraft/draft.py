@@ -196,13 +196,18 @@ class DrafterBase(nn.Module):
         """`markov_chain` from the backbone's logits [B, n, V']."""
         out, tokens = [], []
         for k in range(base.shape[1]):
-            logits = base[:, k] + self.markov_head(previous).to(base.dtype)
+            logits = self._corrected(base[:, k], previous)
             previous = self.to_target_ids(logits.argmax(-1))
             out.append(logits)
             tokens.append(previous)
         if not tokens:
             return previous.new_zeros(previous.shape[0], 0), base
         return torch.stack(tokens, 1), torch.stack(out, 1)
+
+    def _corrected(self, logits: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """One position's backbone logits [B, V'] with the Markov head's correction for the
+        token before it, `previous` [B] (target ids)."""
+        return logits + self.markov_head(previous).to(logits.dtype)
 
     def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      previous: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,7 +230,7 @@ class DrafterBase(nn.Module):
 
         def children(row: int, d: int, token: int) -> tuple[list[int], list[float]]:
             prev = torch.tensor([token], device=base.device)
-            dist = torch.softmax((base[row, d] + self.markov_head(prev)[0].to(base.dtype)).float(), dim=-1)
+            dist = torch.softmax(self._corrected(base[row, d][None], prev)[0].float(), dim=-1)
             best = dist.topk(k)
             return self.to_target_ids(best.indices).tolist(), best.values.tolist()
 

@@ -76,7 +76,7 @@ def repetition_lines(methods: dict) -> list[str]:
     share = (f"{100 * shares[first]:.0f}% of {first}'s output tokens" if len(set(shares.values())) == 1 else
              ", ".join(f"{m} {100 * v:.0f}%" for m, v in shares.items()) + " of the output tokens")
     outside = [f"{m} {x['tau_outside_repeats']:.2f} ({100 * x['steps_outside_repeats_share']:.0f}% of its steps)"
-            for m, x in reps.items() if x.get("tau_outside_repeats") is not None and methods[m]["block_size"] > 1]
+               for m, x in reps.items() if x.get("tau_outside_repeats") is not None and methods[m]["block_size"] > 1]
     n = next(iter(reps.values()))["ngram"]
     text = f"Repetition: {share} end a run of {n} tokens that occurred earlier in the same answer."
     if outside:
