@@ -3,12 +3,17 @@
 Runs where llama-server is built (`make llama-server`); skipped with the reason elsewhere.
 On the F32 target (exactly our fp32 weights) llama-server's plain greedy output is ours, its
 greedy DFlash output is its plain output token for token, and every verify step accepts as
-many tokens as our decode loop's step with the same drafter. (Seeded sampling is not compared:
-llama-server's speculative path draws its random numbers in another order than its plain path,
-so one seed gives different, equally distributed, samples.)
+many tokens as our decode loop's step with the same drafter. Both drafter layouts are checked:
+the shipped drafter and the same drafter with its Markov head toggled (removed where it has one,
+a seeded random one added where it has none), so that llama.cpp's DSpark graph (the Markov head's
+greedy chain, run for a GGUF that holds `markov_w1`) and its plain DFlash path are both compared
+with ours whichever is shipped. (Seeded sampling is not compared: llama-server's speculative
+path draws its random numbers in another order than its plain path, so one seed gives
+different, equally distributed, samples.)
 """
 
 import pytest
+import torch
 
 from blockdraft.bench.llama_server import BUILD_HINT, LlamaServer, drafter_gguf, find_llama_server
 
@@ -21,26 +26,57 @@ NEW = 64
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from blockdraft import Engine
+def target_gguf():
+    from blockdraft.models.gguf import default_f32_gguf
 
-    return Engine.load(draft_weights="float")  # fp32 drafter, as the F32 GGUF drafter
+    return default_f32_gguf()
 
 
 @pytest.fixture(scope="module")
-def servers(engine):
-    from blockdraft.models.gguf import default_f32_gguf
+def plain(target_gguf):
+    with LlamaServer(target_gguf, threads=1) as server:
+        yield server
 
-    target = default_f32_gguf()
-    drafter = drafter_gguf(engine.drafter_for("dflash").folder, target, "F32")
+
+def toggled_markov_head(folder, out):
+    """The drafter in `folder` with its Markov head removed, or a seeded rank-32 one added
+    (large enough to change drafts), saved to `out`."""
+    from blockdraft.draft import DFlashDrafter, DraftConfig
+
+    shipped = DFlashDrafter.load(folder)
+    rank = 0 if shipped.config.markov_rank else 32
+    drafter = DFlashDrafter(DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": rank}))
+    state = {k: v for k, v in shipped.state_dict().items() if not k.startswith("markov_head.")}
+    if rank:
+        generator = torch.Generator().manual_seed(7)
+        for name, p in drafter.state_dict().items():
+            if name.startswith("markov_head."):
+                state[name] = torch.randn(p.shape, generator=generator) * 0.3
+    drafter.load_state_dict(state)
+    drafter.save(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["shipped", "markov-head-toggled"])
+def pair(request, tmp_path_factory, target_gguf):
+    """(our engine with the fp32 drafter, llama-server running the same drafter as an F32 GGUF)."""
+    from blockdraft import Engine
+    from blockdraft.engine import shipped_drafter
+
+    folder = shipped_drafter("dflash")
+    if request.param != "shipped":
+        folder = toggled_markov_head(folder, tmp_path_factory.mktemp("drafter") / "toggled")
+    engine = Engine.load(draft=folder, draft_weights="float")  # fp32 drafter, as the F32 GGUF drafter
     block = engine.drafter_for("dflash").config.block_size
-    with LlamaServer(target, threads=1) as plain, \
-            LlamaServer(target, drafter=drafter, draft_max=block - 1, threads=1) as dflash:
-        yield plain, dflash
+    drafter = drafter_gguf(folder, target_gguf, "F32")
+    with LlamaServer(target_gguf, drafter=drafter, draft_max=block - 1, threads=1) as server:
+        yield engine, server
 
 
-def test_llama_server_plain_greedy_equals_ours(engine, servers):
-    plain, _ = servers
+def test_llama_server_plain_greedy_equals_ours(plain):
+    from blockdraft import Engine
+
+    engine = Engine.load(use_draft=False)
     for prompt in PROMPTS:
         ids = engine.encode(prompt, chat=True)
         ours = engine.generate(ids, method="ar", max_new_tokens=NEW)
@@ -48,8 +84,8 @@ def test_llama_server_plain_greedy_equals_ours(engine, servers):
         assert got[: len(ours.token_ids)] == ours.token_ids
 
 
-def test_llama_cpp_dflash_with_our_drafter_is_lossless_and_accepts_what_our_loop_accepts(engine, servers):
-    plain, dflash = servers
+def test_llama_cpp_dflash_with_our_drafter_is_lossless_and_accepts_what_our_loop_accepts(pair, plain):
+    engine, dflash = pair
     block = engine.drafter_for("dflash").config.block_size
     for prompt in PROMPTS:
         ids = engine.encode(prompt, chat=True)
@@ -62,4 +98,3 @@ def test_llama_cpp_dflash_with_our_drafter_is_lossless_and_accepts_what_our_loop
         # step for step; llama.cpp's last step may be cut by n_predict where ours is cut too
         n = min(len(lengths), len(ours.acceptance_lengths)) - 1
         assert n > 5 and lengths[:n] == ours.acceptance_lengths[:n]
-
