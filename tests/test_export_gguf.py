@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from blockdraft.bench.llama_server import spec_type
 from blockdraft.cli import main
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.engine import shipped_drafter
@@ -97,7 +98,7 @@ def test_what_llama_cpp_cannot_run_is_a_clear_error(shipped, tmp_path, capsys):
     assert "not a DFlash drafter" in capsys.readouterr().err
 
 
-def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, tmp_path):
+def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, f32_export, tmp_path):
     """A drafter with a Markov head: markov_w1 / markov_w2 under llama.cpp's names,
     `dflash.sample_from_anchor` false (the anchor slot drafts nothing), and with --full-vocab the
     draft-vocabulary rows of W2 spread over the whole vocabulary with zeros elsewhere (what
@@ -113,6 +114,7 @@ def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, tmp_path):
     assert main(["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(out), "--type", "F32",
                  "--default-target"]) == 0
     meta, tensors = read_gguf_drafter(out)
+    assert spec_type(out) == "draft-dspark" and spec_type(f32_export[0]) == "draft-dflash"
     assert meta["dflash.sample_from_anchor"] is False and meta["dflash.has_confidence_head"] is False
     w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
     assert torch.equal(tensors["markov_w1.weight"], w1) and torch.equal(tensors["markov_w2.weight"], w2)

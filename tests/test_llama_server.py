@@ -70,6 +70,8 @@ def pair(request, tmp_path_factory, target_gguf):
     block = engine.drafter_for("dflash").config.block_size
     drafter = drafter_gguf(folder, target_gguf, "F32")
     with LlamaServer(target_gguf, drafter=drafter, draft_max=block - 1, threads=1) as server:
+        markov = bool(engine.drafter_for("dflash").config.markov_rank)
+        assert server.cmd[server.cmd.index("--spec-type") + 1] == ("draft-dspark" if markov else "draft-dflash")
         yield engine, server
 
 

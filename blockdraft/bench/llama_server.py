@@ -1,9 +1,9 @@
 """llama.cpp's own `llama-server`, with and without its DFlash, as a benchmark peer.
 
   llamacpp-server      plain decoding in llama-server on the target's GGUF
-  llamacpp-dflash[@B]  llama-server's DFlash (`--spec-type draft-dflash`) with our drafter, exported to
-                       GGUF (`blockdraft export gguf-drafter`), B - 1 drafts per step (default: the
-                       drafter's trained block)
+  llamacpp-dflash[@B]  llama-server's DFlash (`--spec-type draft-dflash`; draft-dspark for a drafter
+                       with a Markov head) with our drafter, exported to GGUF (`blockdraft export
+                       gguf-drafter`), B - 1 drafts per step (default: the drafter's trained block)
 
 `make llama-server` (or `make peers`) builds the binary once from the llama.cpp source that
 the pinned llama-cpp-python sdist vendors; `$BLOCKDRAFT_LLAMA_SERVER` or a `llama-server` on
@@ -71,7 +71,7 @@ class LlamaServer:
         cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(context),
                "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", "-ngl", "0"]
         if drafter is not None:
-            cmd += ["--spec-type", "draft-dflash", "--spec-draft-model", str(drafter), "--spec-draft-ngl", "0",
+            cmd += ["--spec-type", spec_type(drafter), "--spec-draft-model", str(drafter), "--spec-draft-ngl", "0",
                     "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
             if draft_max is not None:
                 cmd += ["--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
@@ -147,6 +147,15 @@ class LlamaServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def spec_type(drafter: str | Path) -> str:
+    """llama-server's speculative type for a drafter GGUF: draft-dspark where it holds a Markov
+    head (`markov_w1`), draft-dflash otherwise (llama.cpp's own rule when it detects the type)."""
+    from gguf import GGUFReader
+
+    return ("draft-dspark" if any(t.name == "markov_w1.weight" for t in GGUFReader(drafter).tensors)
+            else "draft-dflash")
 
 
 def drafter_gguf(drafter: str | Path, target_gguf: str | Path, weight_type: str = "F16",
