@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=3)
+    ap.add_argument("--draft", type=Path, help="DFlash drafter folder (default: the one shipped for the default target)")
     args = ap.parse_args(argv)
     server = find_llama_server()
     if server is None:
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         return 1
     target = default_f32_gguf()
     engine = Engine.load(use_draft=False)
-    folder = engine.drafter_for("dflash").folder
+    folder = args.draft or engine.drafter_for("dflash").folder
     bench = llama_bench(server.with_name("llama-bench"), target, args.threads, args.repeats)
     records = load_prompts(args.dataset, None, args.prompts, True)
     prompts = [engine.encode_chat([{"role": "user", "content": r["turns"][0]}]) for r in records]
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
                          "bytes": gguf.stat().st_size})
         print(json.dumps(drafters[-1]), flush=True)
     result = {"machine": {"cpu": cpu_name(), "threads": args.threads}, "date": time.strftime("%Y-%m-%d"),
-              "target": target.name, "draft_max": args.draft_max, "dataset": args.dataset,
+              "target": target.name, "drafter": str(folder), "draft_max": args.draft_max, "dataset": args.dataset,
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "llama_bench": bench,
               "drafters": drafters}
     args.out.parent.mkdir(parents=True, exist_ok=True)
