@@ -46,17 +46,18 @@ def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: tor
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_config(folder: str | Path, architecture: str) -> dict:
-    """A drafter folder's config.json, checked to be of `architecture`."""
+def read_config(folder: str | Path, *architectures: str) -> dict:
+    """A drafter folder's config.json, checked to be of one of `architectures` (the first is the
+    kind's own; a folder naming none is taken as that)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
     raw = json.loads((folder / "config.json").read_text())
-    found = (raw.get("architectures") or [architecture])[0]
-    if found != architecture:
+    found = (raw.get("architectures") or [architectures[0]])[0]
+    if found not in architectures:
         from .drafters import KINDS
 
-        label = next((k.label for k in KINDS.values() if k.architecture == architecture), architecture)
+        label = next((k.label for k in KINDS.values() if k.architecture == architectures[0]), architectures[0])
         raise BlockdraftError(f"{folder}: not a {label} (architectures={raw.get('architectures')})")
     return raw
 

@@ -27,7 +27,7 @@ from .checkpoint import load_weights, read_config, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
-from .draft_config import DraftConfig  # (also imported from here, with the drafter it configures)
+from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig  # (DraftConfig also imported from here, with the drafter it configures)
 from .draft_head import FloatHead, Int8Head
 
 
@@ -371,7 +371,7 @@ class DFlashDrafter(DrafterBase):
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
-        cfg = DraftConfig.from_dict(read_config(folder, "DFlashDraftModel"))
+        cfg = DraftConfig.from_dict(read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE))
         drafter = load_weights(cls, cfg, folder, device, dtype)
         drafter.folder = Path(folder)  # where it came from (exports to other engines read the files)
         return drafter

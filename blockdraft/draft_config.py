@@ -110,11 +110,25 @@ class DraftConfig:
     def from_dict(cls, raw: dict) -> "DraftConfig":
         try:
             dflash = raw.get("dflash_config") or {}
+            if raw.get("architectures", [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE:
+                # DSpark's layout keeps the mask token and target layers at the top level
+                dflash = {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": raw.get("target_layer_ids"),
+                          **{k: v for k, v in dflash.items() if v is not None}}
+                if raw.get("sample_from_anchor", True):
+                    raise BlockdraftError(
+                        "a DSpark drafter whose anchor slot drafts the first token (sample_from_anchor: true, DSpark's "
+                        "default) has no equivalent here: blockdraft's blocks draft from the slot after the anchor "
+                        "(sample_from_anchor: false, what `blockdraft export drafter` writes)")
+                if raw.get("enable_confidence_head"):
+                    raise BlockdraftError("a DSpark drafter with a confidence head is not supported (the head is unused "
+                                          "by lossless verification; export it without one)")
             heads = raw["num_attention_heads"]
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
             theta, scaling = rope_settings(raw, 1e6)
             known = set(PUBLISHED_KEYS) | set(MARKOV_KEYS) | {"rope_parameters"}
+            if raw.get("architectures", [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE:
+                known |= {"architectures", "mask_token_id", "target_layer_ids", "confidence_head_with_markov"}
             if raw.get("markov_head_type", "vanilla") != "vanilla":
                 raise BlockdraftError(f"Markov head type {raw['markov_head_type']!r}: only 'vanilla' is supported")
             sliding = "sliding_attention" in (raw.get("layer_types") or ())
@@ -128,7 +142,7 @@ class DraftConfig:
                 vocab_size=raw["vocab_size"],
                 num_target_layers=raw["num_target_layers"],
                 target_layer_ids=list(ids),
-                mask_token_id=dflash["mask_token_id"],
+                mask_token_id=_required(dflash, "mask_token_id"),
                 block_size=raw.get("block_size", 16),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
@@ -150,7 +164,7 @@ class DraftConfig:
         except metadata.PackageNotFoundError:
             tf_version = "unknown"
         out = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURE],
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "block_size": self.block_size,
@@ -186,6 +200,17 @@ class DraftConfig:
             out.setdefault(key, value)
         return out
 
+
+def _required(found: dict, key: str):
+    if found.get(key) is None:
+        raise KeyError(key)
+    return found[key]
+
+
+# a drafter folder's config.json "architectures": the authors' DFlash class, or DeepSpec's DSpark class
+# (what `blockdraft export drafter` writes for a drafter with a Markov head)
+ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 
 # the config.json keys of a Markov head (DSpark's names)
 MARKOV_KEYS = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")

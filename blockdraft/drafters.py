@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .draft_config import ARCHITECTURE
 from .errors import BlockdraftError
 
 
@@ -123,7 +124,7 @@ def _dflash_proposer(drafter, target):
 
 
 register(DrafterKind(
-    "dflash", "DFlash drafter", "DFlashDraftModel", "--draft", "drafter", _dflash_load, _dflash_build, _dflash_init,
+    "dflash", "DFlash drafter", ARCHITECTURE, "--draft", "drafter", _dflash_load, _dflash_build, _dflash_init,
     _dflash_train_hidden, _dflash_proposer, soft_labels=True,
     describe=lambda d: f"{len(d.layers)} layer(s)" + (f", Markov head rank {d.config.markov_rank}"
                                                        if d.config.markov_rank else "")))

@@ -25,7 +25,7 @@ import torch
 
 from .checkpoint import read_config, write_model_folder
 from .draft import DFlashDrafter
-from .draft_config import PUBLISHED_KEYS
+from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, PUBLISHED_KEYS
 from .errors import BlockdraftError
 
 # the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)
@@ -46,7 +46,7 @@ def published_weight_names(num_layers: int, attention_bias: bool = False) -> set
 def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Write drafter folder `src` to `out` in the published format, weights in `dtype`. Returns
     what was dropped ({"draft_vocab_size": N or None, "config": [dropped keys]})."""
-    raw = read_config(src, "DFlashDraftModel")
+    raw = read_config(src, ARCHITECTURE, DSPARK_ARCHITECTURE)
     ours = raw.get("blockdraft") or {}
     if ours.get("context_mode", "kv") != "kv":
         raise BlockdraftError(f"{src}: a drafter trained with context_mode={ours['context_mode']!r} (an "
@@ -58,7 +58,7 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
     if cfg.markov_rank:
-        config.update({"architectures": ["Qwen3DSparkModel"], "mask_token_id": cfg.mask_token_id,
+        config.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": cfg.mask_token_id,
                        "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
                        "markov_head_type": "vanilla", "sample_from_anchor": False, "enable_confidence_head": False,
                        "confidence_head_with_markov": False})

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .checkpoint import read_config
+from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE
 from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models.gguf import _gguf, copy_fields, gguf_file
@@ -95,7 +96,7 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     gguf = _gguf()
     if weight_type not in WEIGHT_TYPES:
         raise BlockdraftError(f"weight type {weight_type!r}: choose one of {', '.join(WEIGHT_TYPES)}")
-    read_config(src, "DFlashDraftModel")  # a clear error for anything else (e.g. an EAGLE-3 drafter)
+    read_config(src, ARCHITECTURE, DSPARK_ARCHITECTURE)  # a clear error for anything else (e.g. an EAGLE-3 drafter)
     drafter = DFlashDrafter.load(src)
     cfg = drafter.config
     if (cfg.extra.get("blockdraft") or {}).get("context_mode", "kv") != "kv":

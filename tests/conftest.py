@@ -81,6 +81,22 @@ def chat_ids(tokenizer):
     return [encode(p) for p in PROMPTS]
 
 
+def drafter_with_markov_rank(folder, rank: int, out, *, seed: int = 7, scale: float = 0.3):
+    """The DFlash drafter in `folder` with its Markov head replaced: none (`rank` 0), or a seeded
+    random one of `rank` (entries N(0, scale^2), large enough to change drafts); saved to `out`,
+    which is returned. The rest of the drafter's weights are kept."""
+    source = DFlashDrafter.load(folder)
+    drafter = DFlashDrafter(DraftConfig.from_dict({**source.config.to_dict(), "markov_rank": rank}))
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("markov_head.")}
+    generator = torch.Generator().manual_seed(seed)
+    for name, p in drafter.state_dict().items():
+        if name.startswith("markov_head."):
+            state[name] = torch.randn(p.shape, generator=generator) * scale
+    drafter.load_state_dict(state)
+    drafter.save(out)
+    return out
+
+
 def save_tiny_hf(model_type: str, path, **overrides):
     """A tiny randomly initialised HF model of `model_type`, saved as safetensors."""
     import transformers

@@ -13,6 +13,8 @@ from blockdraft.engine import Engine, shipped_drafter
 from blockdraft.errors import BlockdraftError
 from blockdraft.export import export_drafter
 
+from .conftest import drafter_with_markov_rank
+
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash-drafter-config.example.json"
 LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
          "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
@@ -22,13 +24,8 @@ LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The shipped drafter as a plain DFlash drafter (its Markov head, if any, left out: the
-    published format has none; a Markov head exports in DSpark's layout, tests/test_export_gguf.py)."""
-    shipped = DFlashDrafter.load(shipped_drafter("dflash"))
-    drafter = DFlashDrafter(DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": 0}))
-    drafter.load_state_dict({k: v for k, v in shipped.state_dict().items() if not k.startswith("markov_head.")})
-    out = tmp_path_factory.mktemp("plain") / "plain"
-    drafter.save(out)
-    return out
+    published format has none; a Markov head exports in DSpark's layout, tested below)."""
+    return drafter_with_markov_rank(shipped_drafter("dflash"), 0, tmp_path_factory.mktemp("plain") / "plain")
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +89,9 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path):
     """DSpark's names and keys (DeepSpec's config: Qwen3DSparkModel, top-level mask token and
     target layers, markov_rank, a vanilla head), sample_from_anchor false, W2's draft-vocabulary
     rows spread over the whole vocabulary."""
-    shipped = DFlashDrafter.load(shipped_drafter("dflash"))
-    cfg = DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": 32})
-    torch.manual_seed(4)
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict({**shipped.state_dict(), **{k: v.normal_() for k, v in drafter.state_dict().items()
-                                                          if k.startswith("markov_head.")}})
-    drafter.save(tmp_path / "markov")
+    drafter_with_markov_rank(shipped_drafter("dflash"), 32, tmp_path / "markov", seed=4, scale=1.0)
+    drafter = DFlashDrafter.load(tmp_path / "markov")
+    cfg = drafter.config
     export_drafter(tmp_path / "markov", tmp_path / "out", torch.float32)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"]
@@ -111,3 +104,66 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path):
     assert torch.equal(w1, drafter.markov_head.markov_w1.weight)
     assert w2.shape == (cfg.vocab_size, 32) and torch.equal(w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight)
     assert int((w2 != 0).any(-1).sum()) == drafter.draft_vocab.numel()
+
+
+def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path):
+    """What `export drafter` writes for a Markov-head drafter (DSpark's layout) is a drafter folder
+    blockdraft reads: the exported shipped drafter, fp32, gives the source's logits at every
+    draft-vocabulary id (the rest of the vocabulary, which the source never scored, aside) and
+    decodes losslessly; DSpark folders whose anchor slot drafts (its default) or with a
+    confidence head are clear errors."""
+    from blockdraft.models.default import default_target_dir
+    from blockdraft.models import load_target
+
+    source_dir = shipped_drafter("dflash")
+    source = DFlashDrafter.load(source_dir)
+    if not source.config.markov_rank:
+        source_dir = drafter_with_markov_rank(source_dir, 32, tmp_path / "markov")
+        source = DFlashDrafter.load(source_dir)
+    export_drafter(source_dir, tmp_path / "dspark", torch.float32)
+    back = DFlashDrafter.load(tmp_path / "dspark")
+    assert back.config.markov_rank == source.config.markov_rank and getattr(back, "draft_vocab", None) is None
+    assert (back.config.mask_token_id, back.config.target_layer_ids) == (source.config.mask_token_id,
+                                                                         source.config.target_layer_ids)
+    target = load_target(default_target_dir())
+    torch.manual_seed(0)
+    cfg = source.config
+    ctx_len, block = 12, cfg.block_size
+    features = torch.randn(1, ctx_len, cfg.hidden_size * len(cfg.target_layer_ids))
+    tokens = torch.randint(0, cfg.vocab_size, (1, block))
+    noise = target.embed(tokens)
+    positions = torch.arange(ctx_len + block).unsqueeze(0)
+    with torch.no_grad():
+        hs = source(noise, positions[:, ctx_len:], features, positions[:, :ctx_len])
+        hb = back(noise, positions[:, ctx_len:], features, positions[:, :ctx_len])
+        torch.testing.assert_close(hb, hs)
+        # each block position's logits given the token the source drafted before it (the anchor before
+        # the first): equal at every draft-vocabulary id, the Markov correction included
+        head = target.lm_head.weight
+        chain, _ = source.markov_chain(hs[:, 1:], head, tokens[:, 0])
+        previous = torch.cat([tokens[:, :1], chain[:, :-1]], 1)
+        base_source, base_back = source.draft_logits(hs[:, 1:], head), back.draft_logits(hb[:, 1:], head)
+        for k in range(block - 1):
+            torch.testing.assert_close(back._corrected(base_back[:, k], previous[:, k])[:, source.draft_vocab],
+                                       source._corrected(base_source[:, k], previous[:, k]))
+    engine = Engine.load(draft=tmp_path / "dspark")
+    prompts = ["Write a Python function that reverses a string.", "Name three primary colors."]
+    ar = engine.generate(prompts, chat=True, method="ar", max_new_tokens=32)
+    ours = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=32)
+    assert [g.token_ids for g in ours] == [g.token_ids for g in ar]
+
+    config = json.loads((tmp_path / "dspark" / "config.json").read_text())
+    # DeepSpec's own configs keep the mask token and target layers at the top level only
+    (tmp_path / "dspark" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                   if k != "dflash_config"}))
+    cfg_back = DFlashDrafter.load(tmp_path / "dspark").config
+    assert (cfg_back.mask_token_id, cfg_back.target_layer_ids) == (cfg.mask_token_id, cfg.target_layer_ids)
+    for key, value, match in [("sample_from_anchor", True, "anchor slot drafts"),
+                              ("enable_confidence_head", True, "confidence head")]:
+        (tmp_path / "dspark" / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(BlockdraftError, match=match):
+            DFlashDrafter.load(tmp_path / "dspark")
+    (tmp_path / "dspark" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                   if k != "sample_from_anchor"}))
+    with pytest.raises(BlockdraftError, match="anchor slot drafts"):  # DSpark's default
+        DFlashDrafter.load(tmp_path / "dspark")

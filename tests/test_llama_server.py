@@ -13,9 +13,11 @@ different, equally distributed, samples.)
 """
 
 import pytest
-import torch
 
 from blockdraft.bench.llama_server import BUILD_HINT, LlamaServer, drafter_gguf, find_llama_server
+from blockdraft.draft import DFlashDrafter
+
+from .conftest import drafter_with_markov_rank
 
 pytestmark = pytest.mark.skipif(find_llama_server() is None, reason=BUILD_HINT)
 
@@ -38,25 +40,6 @@ def plain(target_gguf):
         yield server
 
 
-def toggled_markov_head(folder, out):
-    """The drafter in `folder` with its Markov head removed, or a seeded rank-32 one added
-    (large enough to change drafts), saved to `out`."""
-    from blockdraft.draft import DFlashDrafter, DraftConfig
-
-    shipped = DFlashDrafter.load(folder)
-    rank = 0 if shipped.config.markov_rank else 32
-    drafter = DFlashDrafter(DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": rank}))
-    state = {k: v for k, v in shipped.state_dict().items() if not k.startswith("markov_head.")}
-    if rank:
-        generator = torch.Generator().manual_seed(7)
-        for name, p in drafter.state_dict().items():
-            if name.startswith("markov_head."):
-                state[name] = torch.randn(p.shape, generator=generator) * 0.3
-    drafter.load_state_dict(state)
-    drafter.save(out)
-    return out
-
-
 @pytest.fixture(scope="module", params=["shipped", "markov-head-toggled"])
 def pair(request, tmp_path_factory, target_gguf):
     """(our engine with the fp32 drafter, llama-server running the same drafter as an F32 GGUF)."""
@@ -65,7 +48,9 @@ def pair(request, tmp_path_factory, target_gguf):
 
     folder = shipped_drafter("dflash")
     if request.param != "shipped":
-        folder = toggled_markov_head(folder, tmp_path_factory.mktemp("drafter") / "toggled")
+        # the shipped drafter's Markov head removed, or a rank-32 one added
+        rank = 0 if DFlashDrafter.load(folder).config.markov_rank else 32
+        folder = drafter_with_markov_rank(folder, rank, tmp_path_factory.mktemp("drafter") / "toggled")
     engine = Engine.load(draft=folder, draft_weights="float")  # fp32 drafter, as the F32 GGUF drafter
     block = engine.drafter_for("dflash").config.block_size
     drafter = drafter_gguf(folder, target_gguf, "F32")
