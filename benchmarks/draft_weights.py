@@ -7,7 +7,9 @@ per step, tokens/s (median over prompts) and the int8 / fp32 ratio of tokens/s (
 of the per-prompt ratios), and whether both gave the same tokens.
 
     python benchmarks/draft_weights.py [--dataset humaneval,mtbench] [--max-samples 8]
-        [--max-new-tokens 256] [--methods dflash@3,dflash,eagle3@4] [--out FILE.json]
+        [--max-new-tokens 256] [--methods dflash@3,dflash,eagle3@4] [--out FILE.json] [--doc FILE.md]
+
+`--doc` also writes the table between the file's `<!-- draft-weights -->` markers.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
 from blockdraft import Engine
 from blockdraft.bench.runner import load_prompts, machine_info
+
+LABELS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "gsm8k": "GSM8K"}
 
 
 def main():
@@ -29,6 +34,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--methods", default="dflash@3,dflash,eagle3@4")
     ap.add_argument("--out", help="write the per-prompt records here (JSON)")
+    ap.add_argument("--doc", type=Path, help="also write the table between this Markdown file's markers")
     args = ap.parse_args()
     engines = {"float": Engine.load(draft_weights="float"), "int8": Engine.load(draft_weights="int8")}
     methods = args.methods.split(",")
@@ -53,21 +59,34 @@ def main():
                                     ("verify_ms", 1e3 * o.verify_seconds / steps[w]))}})
                 print(f"{name} {rec['id']} {m}: tau {outs['float'].tau:.2f} / {outs['int8'].tau:.2f}, "
                       f"tok/s {outs['float'].tokens_per_second:.1f} / {outs['int8'].tokens_per_second:.1f}", flush=True)
-    print("\n| dataset | method | tau fp32 | tau int8 | draft ms/step fp32 | int8 | verify ms/step | "
-          "tok/s fp32 | tok/s int8 | int8 / fp32 (median) | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    folder = getattr(engines["float"].drafter_for("dflash"), "folder", None)
+    lines = [f"{machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads, drafter "
+             f"{folder.name if folder else '(unsaved)'}, {args.max_samples} prompts a set, "
+             f"{args.max_new_tokens} new tokens, greedy:", "",
+             "| dataset | method | τ fp32 | τ int8 | draft ms/step fp32 | int8 | verify ms/step | tok/s fp32 | "
+             "tok/s int8 | int8 / fp32 (median per prompt) | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.dataset.split(","):
         for m in methods:
             rs = [r for r in records if r["dataset"] == name and r["method"] == m]
             med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
             mean = lambda key: statistics.mean(r[key] for r in rs)  # noqa: E731
             ratio = statistics.median(r["int8_tok_s"] / r["float_tok_s"] for r in rs)
-            print(f"| {name} | {m} | {mean('float_tau'):.2f} | {mean('int8_tau'):.2f} | {med('float_draft_ms'):.1f} | "
-                  f"{med('int8_draft_ms'):.1f} | {med('float_verify_ms'):.1f} | {med('float_tok_s'):.2f} | "
-                  f"{med('int8_tok_s'):.2f} | {ratio:.3f} | {sum(r['same_tokens'] for r in rs)}/{len(rs)} |")
+            lines.append(f"| {LABELS.get(name, name)} | `{m}` | {mean('float_tau'):.2f} | {mean('int8_tau'):.2f} | "
+                         f"{med('float_draft_ms'):.1f} | {med('int8_draft_ms'):.1f} | {med('float_verify_ms'):.1f} | "
+                         f"{med('float_tok_s'):.2f} | {med('int8_tok_s'):.2f} | {ratio:.3f} | "
+                         f"{sum(r['same_tokens'] for r in rs)}/{len(rs)} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.doc:
+        from doctable import write_between
+
+        write_between(args.doc, "draft-weights", text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine_info(engines["float"]), "args": vars(args), "records": records}, f, indent=1)
+            json.dump({"machine": machine_info(engines["float"]), "args": {k: str(v) if isinstance(v, Path) else v
+                                                                             for k, v in vars(args).items()},
+                       "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

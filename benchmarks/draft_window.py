@@ -6,6 +6,8 @@ and τ with and without the window on long prompts (the README's figures).
     # τ on long held-out ShareGPT conversations (the history as context, the last user turn answered)
     python benchmarks/draft_window.py tau [--min-tokens 1500] [--max-tokens 3500] [--prompts 4] [--windows none,512,1024]
 
+`--doc FILE` also writes the table between FILE's `<!-- draft-window-cost -->` (or `-tau`) markers.
+
 Draft time does not depend on what the context says, so `cost` fills the drafter's cache with
 random features (one block anchored right after them) and reports the median of --repeats
 timed drafts, windows interleaved. `tau` runs the target for real.
@@ -16,10 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from blockdraft import Engine
+from blockdraft.bench.runner import machine_info
 from blockdraft.datasets import is_validation, sharegpt_later_turns
 from blockdraft.proposers import DFlashProposer
 from blockdraft.spec import SpecConfig
@@ -54,15 +58,30 @@ def cmd_cost(args, engine: Engine):
             t0 = time.perf_counter()
             p.propose(torch.tensor([1]), torch.tensor([c]), block - 1)
             times[c, w].append(time.perf_counter() - t0)
-    print(f"draft time per step (ms, median of {args.repeats}), block {block}, "
-          f"{torch.get_num_threads()} threads")
-    print("| context | " + " | ".join(f"window {_label(w)}" for w in windows) + " |")
-    print("|---|" + "---|" * len(windows))
-    for c in contexts:
-        print(f"| {c} | " + " | ".join(f"{1e3 * statistics.median(times[c, w]):.2f}" for w in windows) + " |")
-    for w in windows:
-        first, last = (statistics.median(times[c, w]) for c in (contexts[0], contexts[-1]))
-        print(f"window {_label(w)}: {contexts[-1]} vs {contexts[0]} tokens of context: {last / first:.2f}x")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [f"Draft time per step (ms, median of {args.repeats}, windows interleaved): one block of {block} "
+             f"(the drafter's forward and its LM head), {_where(engine)}.", "",
+             "| context tokens | " + " | ".join("whole context" if w is None else f"W = {w}" for w in windows) + " |",
+             "|---|" + "---|" * len(windows)]
+    lines += [f"| {c} | " + " | ".join(f"{1e3 * med[c, w]:.2f}" for w in windows) + " |" for c in contexts]
+    lines.append(f"| {contexts[-1]} vs {contexts[0]} | "
+                 + " | ".join(f"{med[contexts[-1], w] / med[contexts[0], w]:.2f}×" for w in windows) + " |")
+    _emit(args, "draft-window-cost", lines)
+
+
+def _where(engine: Engine) -> str:
+    folder = getattr(engine.drafter_for("dflash"), "folder", None)
+    return (f"drafter {folder.name if folder else '(unsaved)'}, {machine_info(engine)['processor']}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def _emit(args, marker: str, lines: list[str]) -> None:
+    text = "\n".join(lines)
+    print(text)
+    if args.doc:
+        from doctable import write_between
+
+        write_between(args.doc, marker, text)
 
 
 def long_conversations(engine: Engine, count: int, lo: int, hi: int) -> list[list[int]]:
@@ -83,8 +102,7 @@ def long_conversations(engine: Engine, count: int, lo: int, hi: int) -> list[lis
 def cmd_tau(args, engine: Engine):
     prompts = long_conversations(engine, args.prompts, args.min_tokens, args.max_tokens)
     windows = _windows(args.windows)
-    print(f"{len(prompts)} held-out conversations of {', '.join(str(len(p)) for p in prompts)} tokens, "
-          f"{args.max_new_tokens} new tokens each")
+    print(f"{len(prompts)} held-out conversations of {', '.join(str(len(p)) for p in prompts)} tokens", flush=True)
     engine.generate(prompts[0][:64], method="ar", max_new_tokens=4)  # warm-up
     results = {}
     for ids in prompts:
@@ -98,12 +116,15 @@ def cmd_tau(args, engine: Engine):
             r["seconds"] += out.decode_seconds
             r["tokens"] += out.num_output_tokens
             r["ar"] += ar.decode_seconds
-    print("| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |")
-    print("|---|---|---|---|---|")
+    lines = [f"{len(prompts)} held-out ShareGPT conversations of {', '.join(str(len(p)) for p in prompts)} tokens, "
+             f"{args.max_new_tokens} new tokens each, greedy (every window's output equal to `ar`'s), {_where(engine)}.",
+             "", "| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |", "|---|---|---|---|---|"]
     for w, r in results.items():
         steps = len(r["lengths"])
-        print(f"| {_label(w)} | {sum(r['lengths']) / steps:.3f} | {1e3 * r['draft'] / steps:.2f} | "
-              f"{r['tokens'] / r['seconds']:.1f} | {r['ar'] / r['seconds']:.2f}x |")
+        lines.append(f"| {_label(w) if w is not None else 'whole context'} | {sum(r['lengths']) / steps:.3f} | "
+                     f"{1e3 * r['draft'] / steps:.2f} | {r['tokens'] / r['seconds']:.1f} | "
+                     f"{r['ar'] / r['seconds']:.2f}× |")
+    _emit(args, "draft-window-tau", lines)
 
 
 def main():
@@ -119,6 +140,8 @@ def main():
     t.add_argument("--max-tokens", type=int, default=3500)
     t.add_argument("--max-new-tokens", type=int, default=96)
     t.add_argument("--windows", default="none,512,1024")
+    for sp in (c, t):
+        sp.add_argument("--doc", type=Path, help="also write the table between this Markdown file's markers")
     args = ap.parse_args()
     engine = Engine.load()
     {"cost": cmd_cost, "tau": cmd_tau}[args.cmd](args, engine)
