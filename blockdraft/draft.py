@@ -27,7 +27,8 @@ from .checkpoint import load_weights, read_config, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
-from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig  # (DraftConfig also imported from here, with the drafter it configures)
+# (DraftConfig is also imported from here, with the drafter it configures)
+from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig
 from .draft_head import FloatHead, Int8Head
 
 

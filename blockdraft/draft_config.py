@@ -110,7 +110,8 @@ class DraftConfig:
     def from_dict(cls, raw: dict) -> "DraftConfig":
         try:
             dflash = raw.get("dflash_config") or {}
-            if raw.get("architectures", [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE:
+            dspark = (raw.get("architectures") or [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE
+            if dspark:
                 # DSpark's layout keeps the mask token and target layers at the top level
                 dflash = {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": raw.get("target_layer_ids"),
                           **{k: v for k, v in dflash.items() if v is not None}}
@@ -127,8 +128,8 @@ class DraftConfig:
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
             theta, scaling = rope_settings(raw, 1e6)
             known = set(PUBLISHED_KEYS) | set(MARKOV_KEYS) | {"rope_parameters"}
-            if raw.get("architectures", [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE:
-                known |= {"architectures", "mask_token_id", "target_layer_ids", "confidence_head_with_markov"}
+            if dspark:
+                known |= {"mask_token_id", "target_layer_ids", "confidence_head_with_markov"}
             if raw.get("markov_head_type", "vanilla") != "vanilla":
                 raise BlockdraftError(f"Markov head type {raw['markov_head_type']!r}: only 'vanilla' is supported")
             sliding = "sliding_attention" in (raw.get("layer_types") or ())
