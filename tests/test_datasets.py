@@ -165,6 +165,40 @@ def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resume
     assert len(list(iter_samples(tmp_path))) == len(samples) + more.written
     with pytest.raises(BlockdraftError, match="need sampling"):
         regenerate(engine, tmp_path / "greedy", answers_per_prompt=2, **{**run, "sampling": AnswerSampling()})
+    with pytest.raises(BlockdraftError, match="need sampling"):
+        regenerate(engine, tmp_path / "greedy", first_answer=1, **{**run, "sampling": AnswerSampling()})
+
+
+def test_more_sampled_answers_beside_the_greedy_ones_in_another_folder(tmp_path):
+    """`--first-answer 1 --dedup-against GREEDY`: answers 1.. of the prompts whose greedy answer 0
+    is in another folder, each the target's seeded sample for its id; one identical to the greedy
+    answer of its prompt is dropped (a 2-token cap makes such repeats common)."""
+    from blockdraft import Engine
+    from blockdraft.train.answers import AnswerSampling, prompt_of, sample_seed
+    from blockdraft.train.data import iter_samples, regenerate
+
+    engine = Engine.load(use_draft=False)
+    run = dict(mix="asdiv", limit=4, max_new_tokens=2, batch_size=4, progress=False)
+    regenerate(engine, tmp_path / "greedy", **run)
+    greedy = {s["id"]: s["answer_ids"] for s in iter_samples(tmp_path / "greedy")}
+    sampling = AnswerSampling(0.7, 0.8, 20)
+    stats = regenerate(engine, tmp_path / "sampled", first_answer=1, answers_per_prompt=2, sampling=sampling,
+                       dedup_against=[tmp_path / "greedy"], **run)
+    samples = list(iter_samples(tmp_path / "sampled"))
+    dropped = (tmp_path / "sampled" / "dropped.txt").read_text().split() if stats.duplicates else []
+    assert sorted([s["id"] for s in samples] + dropped) == sorted(f"{p}~a{i}" for p in greedy for i in (1, 2))
+    assert stats.duplicates > 0  # at T 0.7 a 2-token answer often repeats the greedy one
+    for s in samples:
+        assert s["answer_index"] in (1, 2) and s["answer_ids"] != greedy[prompt_of(s["id"])]
+        alone = engine.generate(s["prompt_ids"], method="ar", max_new_tokens=2, temperature=0.7, top_p=0.8,
+                                top_k=20, seed=sample_seed(s["id"]))
+        assert s["answer_ids"] == alone.token_ids
+    for i in dropped:  # each dropped answer did equal its prompt's greedy answer or the other sample
+        p = prompt_of(i)
+        alone = engine.generate(next(s for s in iter_samples(tmp_path / "greedy") if s["id"] == p)["prompt_ids"],
+                                method="ar", max_new_tokens=2, temperature=0.7, top_p=0.8, top_k=20,
+                                seed=sample_seed(i)).token_ids
+        assert alone == greedy[p] or any(s["answer_ids"] == alone for s in samples if prompt_of(s["id"]) == p)
 
 
 def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_path):

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One session's data job for the default target (issue "Drafters that learn more per sample"):
 # the target writes PER_DOMAIN more user turns of each domain (code, chat, math; each for at most
-# a third of PROMPT_MINUTES), then answers every self-written prompt not yet answered, greedily,
-# for at most ANSWER_MINUTES. Both steps resume where a stopped run left off and never answer a
-# prompt twice, so the job can be stopped at any time (Ctrl-C) and started again.
+# a third of PROMPT_MINUTES), then, for ANSWER_MINUTES in all, answers every self-written prompt not
+# yet answered, greedily, and with the time left adds sampled answers (T 0.7, top-p 0.8, top-k 20;
+# answer index 1, beside the greedy answer 0, an answer equal to it dropped) to the built-in prompt
+# mix, into data/regen/smollm2-135m-instruct-sampled. Every step resumes where a stopped run left
+# off and never answers a prompt twice, so the job can be stopped at any time (Ctrl-C) and started again.
 #
 #   tools/grow_data.sh [PER_DOMAIN [PROMPT_MINUTES [ANSWER_MINUTES]]]   # defaults: 1500 30 110
 #
 # Afterwards commit the new shards by their paths (data/prompts/smollm2-135m-instruct/synth-*,
-# data/regen/smollm2-135m-instruct-synth) and rewrite the data table of docs/training.md:
+# data/regen/smollm2-135m-instruct-synth, data/regen/smollm2-135m-instruct-sampled) and rewrite the
+# data table of docs/training.md:
 #   .venv/bin/python benchmarks/data_table.py data/regen/* --doc docs/training.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +20,7 @@ prompt_minutes=${2:-30}
 answer_minutes=${3:-110}
 bd=.venv/bin/blockdraft
 prompts=data/prompts/smollm2-135m-instruct
+regen=data/regen/smollm2-135m-instruct
 
 kept() {  # prompts already kept in a domain's folder
     local dir=$prompts/synth-$1
@@ -29,7 +33,14 @@ for domain in code chat math; do
     $bd data prompts --synthesize "$want" --domain "$domain" --out "$prompts/synth-$domain" \
         --dtype bfloat16 --seconds $(( prompt_minutes * 60 / 3 ))
 done
+deadline=$(( $(date +%s) + answer_minutes * 60 ))
 echo "grow_data: answering ($(date -u +%H:%M))" >&2
 $bd data regenerate --prompts "$prompts" --mix synth-code=1,synth-math=1,synth-chat=1 \
-    --out data/regen/smollm2-135m-instruct-synth --dtype bfloat16 --seconds $(( answer_minutes * 60 ))
+    --out $regen-synth --dtype bfloat16 --seconds $(( deadline - $(date +%s) ))
+left=$(( deadline - $(date +%s) ))
+if (( left > 120 )); then
+    echo "grow_data: sampled answers to the built-in prompt mix for $(( left / 60 )) minutes ($(date -u +%H:%M))" >&2
+    $bd data regenerate --out $regen-sampled --dtype bfloat16 --temperature 0.7 --top-p 0.8 --top-k 20 \
+        --first-answer 1 --dedup-against $regen --seconds "$left"
+fi
 echo "grow_data: done ($(date -u +%H:%M))" >&2

@@ -45,7 +45,8 @@ def cmd_data_regenerate(args) -> int:
     stats = regenerate(source, args.out, mix=args.mix, limit=args.limit, max_new_tokens=args.max_new_tokens,
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, sampling=sampling,
                        answers_per_prompt=args.answers_per_prompt, method=args.method, seconds=args.seconds,
-                       concurrency=args.concurrency, sources=sources)
+                       concurrency=args.concurrency, sources=sources, first_answer=args.first_answer,
+                       dedup_against=args.dedup_against.split(",") if args.dedup_against else ())
     print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
           f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
     if stats.duplicates:
@@ -100,6 +101,12 @@ def register(sub, methods) -> None:
     r.add_argument("--answers-per-prompt", type=int, default=1,
                    help="sampled answers per prompt, each seeded by (prompt, answer index): a rerun resumes and "
                         "never duplicates; an answer identical to one kept for its prompt is dropped")
+    r.add_argument("--first-answer", type=int, default=0, metavar="K",
+                   help="answer indices K .. K + N - 1 (1: more sampled answers of prompts whose answer 0, e.g. "
+                        "the greedy one, is in another folder; default 0)")
+    r.add_argument("--dedup-against", metavar="FOLDER[,FOLDER]",
+                   help="answer folders whose answers count as kept: a new answer identical to one there for its "
+                        "prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")

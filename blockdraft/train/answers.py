@@ -55,13 +55,13 @@ def prompt_of(sample_id: str) -> str:
     return sample_id.split(ANSWER_SEP)[0]
 
 
-def answer_copies(prompts: Iterable[dict], answers_per_prompt: int) -> Iterator[dict]:
-    """Each prompt `answers_per_prompt` times, as samples to answer: copy i has the id
-    `answer_id(prompt id, i)` (and so its own seed) and records `prompt_id` / `answer_index`."""
+def answer_copies(prompts: Iterable[dict], answers_per_prompt: int, first: int = 0) -> Iterator[dict]:
+    """Each prompt `answers_per_prompt` times, as samples to answer: copy i (from `first`) has the
+    id `answer_id(prompt id, i)` (and so its own seed) and records `prompt_id` / `answer_index`."""
     for p in prompts:
-        for i in range(answers_per_prompt):
-            yield p if answers_per_prompt == 1 else {**p, "id": answer_id(p["id"], i), "prompt_id": p["id"],
-                                                     "answer_index": i}
+        for i in range(first, first + answers_per_prompt):
+            yield p if (answers_per_prompt, first) == (1, 0) else {**p, "id": answer_id(p["id"], i),
+                                                                   "prompt_id": p["id"], "answer_index": i}
 
 
 def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str,
@@ -81,13 +81,17 @@ class AnswerDeduper:
     repeat, short ones most of all). Dropped ids go to `dropped.txt` in the folder, so that a
     rerun counts them as done and never answers them again."""
 
-    def __init__(self, folder: Path, samples: Iterable[dict]):
+    def __init__(self, folder: Path, samples: Iterable[dict], others: Iterable[dict] = ()):
+        """`samples`: the folder's own; `others`: answers kept elsewhere (e.g. the greedy answers
+        beside sampled ones), which count as kept for their prompts."""
         self.path = folder / "dropped.txt"
         self.dropped = set(self.path.read_text().split()) if self.path.exists() else set()
         self.kept: dict[str, set[bytes]] = {}
         self.written: set[str] = set()  # ids already in the folder
         for s in samples:
             self.written.add(s["id"])
+            self.kept.setdefault(prompt_of(s["id"]), set()).add(self._key(s["answer_ids"]))
+        for s in others:
             self.kept.setdefault(prompt_of(s["id"]), set()).add(self._key(s["answer_ids"]))
 
     @staticmethod

@@ -323,13 +323,16 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
                sampling: AnswerSampling = AnswerSampling(), answers_per_prompt: int = 1, method: str = "ar",
                seconds: float | None = None, until=None, progress: bool = True, concurrency: int = 64,
-               share_prefix: bool = True, sources: dict | None = None) -> RegenStats:
+               share_prefix: bool = True, sources: dict | None = None, first_answer: int = 0,
+               dedup_against: Iterable[str | Path] = ()) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
     `sources`: the prompt sources `mix` names (default: the built-in ones; see `training_prompts`).
 
     `sampling`: greedy by default; sampled answers take `answers_per_prompt` answers of every
     prompt, each seeded by its own id (`answer_id`), an answer identical to one already kept for
-    that prompt dropped (`AnswerDeduper`).
+    that prompt dropped (`AnswerDeduper`). `first_answer` K: answer indices K .. K + N - 1 (1: more
+    sampled answers of prompts whose answer 0, e.g. the greedy one, is in another folder), which
+    `dedup_against` names (answers there count as kept: an identical new one is dropped).
     `engine`: an `Engine` (the target runs here, `batch_size` rows, `method`) or a
     `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
@@ -346,16 +349,19 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     remote = isinstance(engine, RemoteTarget)
     if answers_per_prompt < 1:
         raise BlockdraftError(f"answers per prompt must be >= 1, got {answers_per_prompt}")
-    if answers_per_prompt > 1 and sampling.temperature == 0:
+    if (answers_per_prompt > 1 or first_answer > 0) and sampling.temperature == 0:
         raise BlockdraftError("several answers per prompt need sampling (a temperature > 0): greedy answers repeat")
+    if first_answer < 0:
+        raise BlockdraftError(f"the first answer index must be >= 0, got {first_answer}")
     try:
         tidy_shards(out)
-        dedup = AnswerDeduper(out, iter_samples(out))
+        others = (s for folder in dedup_against for s in iter_samples(folder))
+        dedup = AnswerDeduper(out, iter_samples(out), others)
         done = dedup.written | dedup.dropped
         stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, sources=sources)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
-        todo = (p for p in answer_copies(stream, answers_per_prompt) if p["id"] not in done)
+        todo = (p for p in answer_copies(stream, answers_per_prompt, first_answer) if p["id"] not in done)
         how = f"{concurrency} requests at once to {engine.url}" if remote else f"{batch_size} rows"
         print(f"regenerate: {len(done)} samples already in {out}; answering up to {max_new_tokens} tokens "
               f"with {how}", file=sys.stderr)
