@@ -199,6 +199,12 @@ def test_more_sampled_answers_beside_the_greedy_ones_in_another_folder(tmp_path)
                                 method="ar", max_new_tokens=2, temperature=0.7, top_p=0.8, top_k=20,
                                 seed=sample_seed(i)).token_ids
         assert alone == greedy[p] or any(s["answer_ids"] == alone for s in samples if prompt_of(s["id"]) == p)
+    # ids answered (or dropped) in a --dedup-against folder are not answered again elsewhere
+    again = regenerate(engine, tmp_path / "more", first_answer=1, answers_per_prompt=3, sampling=sampling,
+                       dedup_against=[tmp_path / "greedy", tmp_path / "sampled"], **run)
+    assert again.written + again.duplicates == 4 and {prompt_of(s["id"]) for s in iter_samples(tmp_path / "more")
+                                                      } <= set(greedy)
+    assert all(s["answer_index"] == 3 for s in iter_samples(tmp_path / "more"))
 
 
 def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_path):

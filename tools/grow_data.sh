@@ -3,14 +3,15 @@
 # the target writes PER_DOMAIN more user turns of each domain (code, chat, math; each for at most
 # a third of PROMPT_MINUTES), then, for ANSWER_MINUTES in all, answers every self-written prompt not
 # yet answered, greedily, and with the time left adds sampled answers (T 0.7, top-p 0.8, top-k 20;
-# answer index 1, beside the greedy answer 0, an answer equal to it dropped) to the built-in prompt
-# mix, into data/regen/smollm2-135m-instruct-sampled. Every step resumes where a stopped run left
+# answer index 1, beside the greedy answer 0, an answer equal to it dropped; ids answered in the
+# earlier sampled folders skipped) to the built-in prompt mix, into data/regen/smollm2-135m-instruct-a1
+# (a folder of its own, so that the fixed --limit-samples sets of earlier runs stay what they were). Every step resumes where a stopped run left
 # off and never answers a prompt twice, so the job can be stopped at any time (Ctrl-C) and started again.
 #
 #   tools/grow_data.sh [PER_DOMAIN [PROMPT_MINUTES [ANSWER_MINUTES]]]   # defaults: 1500 30 110
 #
 # Afterwards commit the new shards by their paths (data/prompts/smollm2-135m-instruct/synth-*,
-# data/regen/smollm2-135m-instruct-synth, data/regen/smollm2-135m-instruct-sampled) and rewrite the
+# data/regen/smollm2-135m-instruct-synth, data/regen/smollm2-135m-instruct-a1) and rewrite the
 # data table of docs/training.md:
 #   .venv/bin/python benchmarks/data_table.py data/regen/* --doc docs/training.md
 set -euo pipefail
@@ -40,7 +41,7 @@ $bd data regenerate --prompts "$prompts" --mix synth-code=1,synth-math=1,synth-c
 left=$(( deadline - $(date +%s) ))
 if (( left > 120 )); then
     echo "grow_data: sampled answers to the built-in prompt mix for $(( left / 60 )) minutes ($(date -u +%H:%M))" >&2
-    $bd data regenerate --out $regen-sampled --dtype bfloat16 --temperature 0.7 --top-p 0.8 --top-k 20 \
-        --first-answer 1 --dedup-against $regen --seconds "$left"
+    $bd data regenerate --out $regen-a1 --dtype bfloat16 --temperature 0.7 --top-p 0.8 --top-k 20 \
+        --first-answer 1 --dedup-against $regen,$regen-sampled,$regen-t07 --seconds "$left"
 fi
 echo "grow_data: done ($(date -u +%H:%M))" >&2

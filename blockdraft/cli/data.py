@@ -105,8 +105,8 @@ def register(sub, methods) -> None:
                    help="answer indices K .. K + N - 1 (1: more sampled answers of prompts whose answer 0, e.g. "
                         "the greedy one, is in another folder; default 0)")
     r.add_argument("--dedup-against", metavar="FOLDER[,FOLDER]",
-                   help="answer folders whose answers count as kept: a new answer identical to one there for its "
-                        "prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
+                   help="answer folders whose answers count as kept: an id answered there is skipped, a new answer "
+                        "identical to one there for its prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")

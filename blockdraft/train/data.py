@@ -332,7 +332,8 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     prompt, each seeded by its own id (`answer_id`), an answer identical to one already kept for
     that prompt dropped (`AnswerDeduper`). `first_answer` K: answer indices K .. K + N - 1 (1: more
     sampled answers of prompts whose answer 0, e.g. the greedy one, is in another folder), which
-    `dedup_against` names (answers there count as kept: an identical new one is dropped).
+    `dedup_against` names (answers there count as kept: an identical new one is dropped, and an id
+    already answered there is not answered again).
     `engine`: an `Engine` (the target runs here, `batch_size` rows, `method`) or a
     `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
@@ -355,9 +356,11 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         raise BlockdraftError(f"the first answer index must be >= 0, got {first_answer}")
     try:
         tidy_shards(out)
-        others = (s for folder in dedup_against for s in iter_samples(folder))
+        others = [s for folder in dedup_against for s in iter_samples(folder)]
         dedup = AnswerDeduper(out, iter_samples(out), others)
-        done = dedup.written | dedup.dropped
+        done = dedup.written | dedup.dropped | {s["id"] for s in others}  # an id answered there is done,
+        for folder in dedup_against:  # and one dropped there as a repeat
+            done |= AnswerDeduper(Path(folder), ()).dropped
         stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, sources=sources)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
