@@ -67,7 +67,9 @@ def costs_table(path: Path) -> str:
     for d in c["drafters"]:
         dm = d["draft_ms_per_step"]
         be = " / ".join(f"{(dm + ms[k]) / plain:.2f}" if k in ms and dm is not None else "-" for k in ("pp3", "pp4"))
-        lines.append(f"| {d['weight_type']}, {d['vocab']} vocabulary | {d['bytes'] / 2**20:.1f} | "
+        cut = (f", first {d['layers']} of {d['of_layers']} layers (an untrained cut: cost only)"
+               if d.get("layers", d.get("of_layers")) != d.get("of_layers") else "")
+        lines.append(f"| {d['weight_type']}, {d['vocab']} vocabulary{cut} | {d['bytes'] / 2**20:.1f} | "
                      f"{'-' if dm is None else f'{dm:.1f}'} | {be} |")
     return "\n".join(lines)
 
