@@ -688,6 +688,33 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
         Trainer(tiny_config(root, tmp_path / "soft", feature_cache=str(cache), distill=0.5))
 
 
+def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_corpus, tmp_path, monkeypatch):
+    """The bytes a run's features add are known before it starts (what it then stores, exactly);
+    a run whose features would not fit on the cache's disk stops at once with the sizes."""
+    import shutil
+
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.train import features
+    from blockdraft.train.features import FeatureCache
+
+    root, target, prompts, answers = tiny_corpus
+    cache = tmp_path / "cache"
+    trainer = Trainer(tiny_config(root, tmp_path / "run", max_steps=2, feature_cache=str(cache)))
+    everything = [s[0] for s in trainer.samples]
+    this_run = [trainer.samples[i][0] for i in trainer.epoch_order(0)[:8]]  # 2 steps of 4
+    need_all, need_run = trainer.features.bytes_needed(everything), trainer.features.bytes_needed(this_run)
+    assert 0 < need_run < need_all
+    trainer.run()
+    trainer.features.close()
+    assert (cache / "features-rank0.bin").stat().st_size == need_run
+    assert FeatureCache(cache, target, [3]).bytes_needed(everything) == need_all - need_run
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=2**30 + need_all - 1))
+    with pytest.raises(BlockdraftError, match=r"need 0\.0 GiB more and the disk has 1\.0 GiB free"):
+        Trainer(tiny_config(root, tmp_path / "big", max_steps=100, feature_cache=str(tmp_path / "other")))
+    Trainer(tiny_config(root, tmp_path / "fits", max_steps=100, feature_cache=str(cache)))  # partly cached: fits
+
+
 @pytest.mark.parametrize("arch", ["dflash", "eagle3"])
 def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny_corpus, tmp_path, monkeypatch, arch):
     """tools/ship_drafter.py: the shipped copy is the run's drafter in fp16 and its card carries

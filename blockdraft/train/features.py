@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,21 @@ class FeatureCache:
             rows = min(rows, width)
             out[row, :rows] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:rows]
         return out.to(device=device, dtype=dtype)
+
+    def bytes_needed(self, sequences) -> int:
+        """What storing the features of `sequences` (token id lists) not cached yet adds to the cache."""
+        return sum(len(seq) for seq in sequences if sequence_key(seq) not in self.index) * self.width * 2
+
+    def check_space(self, sequences, reserve: int = 2**30):
+        """A clear error now, rather than a full disk hours into a run, when the features of
+        `sequences` not cached yet would not fit on the cache's disk (keeping `reserve` bytes free)."""
+        need, free = self.bytes_needed(sequences), shutil.disk_usage(self.folder).free
+        if need > free - reserve:
+            raise BlockdraftError(
+                f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB more "
+                f"and the disk has {free / 2**30:.1f} GiB free (1 GiB kept free): free some space, cache on another "
+                "disk, train on fewer samples (--limit-samples) or without --feature-cache")
+        return need
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
         """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached."""

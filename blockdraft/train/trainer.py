@@ -121,6 +121,10 @@ class Trainer:
 
             self.features = FeatureCache(cfg.feature_cache, self.target, self.drafter.config.target_layer_ids,
                                          self.rank)
+            # the samples this run will see (all of them from its second epoch on)
+            seen = min(len(self.samples), cfg.max_steps * cfg.batch_size * self.world)
+            order = range(len(self.samples)) if seen == len(self.samples) else self.epoch_order(0)[:seen]
+            self.features.check_space([self.samples[i][0] for i in order])
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         if resume and (self.out / "checkpoint" / "state.json").is_file():
