@@ -366,7 +366,9 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
             stream = (p for _, p in zip(range(limit), stream))
         todo = (p for p in answer_copies(stream, answers_per_prompt, first_answer) if p["id"] not in done)
         how = f"{concurrency} requests at once to {engine.url}" if remote else f"{batch_size} rows"
-        print(f"regenerate: {len(done)} samples already in {out}; answering up to {max_new_tokens} tokens "
+        here = len(dedup.written | dedup.dropped)
+        elsewhere = f" ({len(done) - here} more ids answered in the --dedup-against folders)" if dedup_against else ""
+        print(f"regenerate: {here} samples already in {out}{elsewhere}; answering up to {max_new_tokens} tokens "
               f"with {how}", file=sys.stderr)
         writer = ShardWriter(out)
         bar = tqdm(total=limit and max(0, limit * answers_per_prompt - len(done)), unit="sample", desc="regenerate",
