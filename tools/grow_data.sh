@@ -5,8 +5,9 @@
 # yet answered, greedily, and with the time left adds sampled answers (T 0.7, top-p 0.8, top-k 20;
 # answer index 1, beside the greedy answer 0, an answer equal to it dropped; ids answered in the
 # earlier sampled folders skipped) to the built-in prompt mix, into data/regen/smollm2-135m-instruct-a1
-# (a folder of its own, so that the fixed --limit-samples sets of earlier runs stay what they were). Every step resumes where a stopped run left
-# off and never answers a prompt twice, so the job can be stopped at any time (Ctrl-C) and started again.
+# (a folder of its own, so that the fixed --limit-samples sets of earlier runs stay what they were).
+# Every step resumes where a stopped run left off and never answers a prompt twice, so the job can be
+# stopped at any time (Ctrl-C) and started again.
 #
 #   tools/grow_data.sh [PER_DOMAIN [PROMPT_MINUTES [ANSWER_MINUTES]]]   # defaults: 1500 30 110
 #
