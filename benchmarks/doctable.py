@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# how the generated tables name the benchmark's datasets
+DATASET_LABELS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "gsm8k": "GSM8K"}
+
 
 def write_between(doc: Path, name: str, text: str) -> None:
     mark = f"<!-- {name} -->"

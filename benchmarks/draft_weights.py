@@ -24,7 +24,7 @@ import torch
 from blockdraft import Engine
 from blockdraft.bench.runner import load_prompts, machine_info
 
-LABELS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "gsm8k": "GSM8K"}
+from doctable import DATASET_LABELS as LABELS  # noqa: E402 (the script folder is on sys.path)
 
 
 def main():

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
-LABELS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "gsm8k": "GSM8K"}
+LABELS = doctable.DATASET_LABELS
 
 
 def table(args) -> str:
