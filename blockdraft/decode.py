@@ -208,6 +208,7 @@ class DecodeLoop:
         holds no slot)."""
         for b in range(self.slots):
             if self.keys[b] == key:
+                self.proposer.release(b, key)
                 state = self.states[b]
                 self.keys[b] = self.requests[b] = self.states[b] = None
                 return state

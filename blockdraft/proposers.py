@@ -66,6 +66,10 @@ class Proposer:
     def permute(self, order: torch.Tensor) -> None:
         """Reorder the batch rows: row i becomes old row order[i] (no state here)."""
 
+    def release(self, row: int, key) -> None:
+        """Row `row`, which served request `key`, has ended and its slot is free (a later
+        prefill reuses it); a proposer that keeps something per sequence takes it now."""
+
 
 def check_window(window) -> None:
     """A draft window is a number of tokens >= 0, None (0 and None: the whole context) or "auto"."""

@@ -134,6 +134,59 @@ def test_regeneration_in_a_large_continuous_batch_equals_one_by_one(tmp_path):
         assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=12).token_ids
 
 
+def test_regeneration_stores_each_answers_features_for_training(tmp_path):
+    """`--feature-cache`: while rows join, leave and are re-sorted in a 3-row batch (and start from
+    the shared chat-template prefix), every answered sequence's features go to the training feature
+    cache: the target's own forward's over the whole sequence at the drafter's layers, every
+    position but the last, under the key training looks them up by."""
+    import argparse
+
+    import torch
+
+    from blockdraft import Engine
+    from blockdraft.cli.data import feature_layers
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.train.data import answer_prompts, regenerate, training_prompts
+    from blockdraft.train.features import FeatureCache, sequence_key
+
+    engine = Engine.load(use_draft=False)
+    args = argparse.Namespace(feature_layers=None, feature_cache=str(tmp_path / "cache"), draft=None)
+    layers = feature_layers(args, engine)  # the shipped drafter's
+    assert layers == [1, 14, 27]
+    cache = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
+    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256))]
+    got = []
+    stats = answer_prompts(engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append,
+                           sort_every=2, features=cache)
+    assert stats.written == stats.features == 7 == len(cache)
+    for s in got:
+        seq = s["prompt_ids"] + s["answer_ids"]
+        stored, missing = cache.get([sequence_key(seq)], len(seq), "cpu")
+        with torch.no_grad():
+            _, whole = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers),
+                                     features_only=True)
+        assert missing == [] and not stored[0, -1].any()  # the last position never went through the target
+        torch.testing.assert_close(stored[0, :-1], whole[0, :-1], rtol=1e-3, atol=1e-3)
+    cache.close()
+    assert feature_layers(args, engine) == [1, 14, 27]  # now the cache's own
+    from blockdraft.models import load_target
+    from blockdraft.models.default import default_target_dir
+
+    trainers = FeatureCache(tmp_path / "cache", load_target(default_target_dir()), layers)  # as training opens it
+    assert len(trainers) == 7
+    trainers.close()
+    with pytest.raises(BlockdraftError, match="--method ar"):
+        answer_prompts(engine, iter(prompts), max_new_tokens=2, batch_size=2, method="dflash",
+                       features=FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen"))
+    # through `regenerate`, and only as long as the disk keeps its reserve
+    again = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
+    run = dict(mix="asdiv", limit=3, max_new_tokens=4, batch_size=2, progress=False)
+    assert regenerate(engine, tmp_path / "answers", feature_cache=again, **run).features == 3
+    again.room = lambda nbytes, reserve: False
+    assert regenerate(engine, tmp_path / "answers", feature_cache=again, **{**run, "limit": 5}).features == 0
+    again.close()
+
+
 def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resumes(tmp_path):
     """`--answers-per-prompt 3 --temperature 1 --top-k 50`: every answer is the target's own seeded
     sample for its (prompt, answer index) id, the settings are recorded, a rerun writes nothing new,

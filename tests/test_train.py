@@ -654,11 +654,62 @@ def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_sam
     with torch.no_grad():
         _, fresh = target(torch.tensor([seq]), torch.arange(len(seq))[None],
                           capture=tuple(first.drafter.config.target_layer_ids), features_only=True)
-    stored = first.features.get([sequence_key(seq)], len(seq), "cpu")
-    assert stored is not None and not torch.equal(stored, fresh)  # rounded, ...
+    stored, missing = first.features.get([sequence_key(seq)], len(seq), "cpu")
+    assert missing == [] and not torch.equal(stored, fresh)  # rounded, ...
     torch.testing.assert_close(stored, fresh, rtol=1e-3, atol=1e-3)  # ... to float16
     first.features.close()
     second.features.close()
+
+
+@pytest.mark.parametrize("arch", ["dflash", "eagle3"])
+def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpus, tmp_path, arch):
+    """The features a `FeatureRecorder` keeps while the decode loop answers (what `data regenerate
+    --feature-cache` stores) are the target's own forward's over the whole sequence, every position
+    but the last; a run whose cache holds them for half its samples runs the target on the other
+    half only and trains like a run that computed them all itself."""
+    from blockdraft.train.features import FeatureCache, FeatureRecorder, sequence_key
+
+    root, target, prompts, answers = tiny_corpus
+    layers = [1, 2, 3] if arch == "eagle3" else [3]
+    extra = dict(arch="eagle3", target_layer_ids=layers) if arch == "eagle3" else {}
+    recorder = FeatureRecorder(layers, target.config.hidden_size)
+    states = []
+    list(generate_steps(target, recorder, [Request(p, 40) for p in prompts[:8]], 1, states, batch_size=3))
+    assert [s.output_ids for s in states] == answers[:8]  # it only watches
+    cache = FeatureCache(tmp_path / "cache", target, layers, writer="regen")
+    for i, (p, a) in enumerate(zip(prompts[:8], answers[:8])):
+        seq = p + a
+        rows = recorder.pop(i, len(seq) - 1)
+        with torch.no_grad():
+            _, whole = target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers),
+                              features_only=True)
+        torch.testing.assert_close(rows.float(), whole[0, :-1], rtol=2e-3, atol=2e-3)  # float16, decode order
+        cache.put([sequence_key(seq)], rows[None], [rows.shape[0]])
+    assert not recorder.ended
+    cache.close()
+
+    def trained(out, folder):
+        trainer = Trainer(tiny_config(root, out, max_steps=4, feature_cache=str(folder), **extra))
+        computed = []
+        forward = trainer.target.forward
+
+        def counting(tokens, *args, **kw):
+            if kw.get("features_only"):
+                computed.append(tokens.shape[0])
+            return forward(tokens, *args, **kw)
+
+        trainer.target.forward = counting
+        trainer.run()
+        trainer.features.close()
+        return trainer, sum(computed)
+
+    half, half_rows = trained(tmp_path / "half", tmp_path / "cache")
+    assert half_rows == 8 and len(half.features) == 16  # one epoch: the target ran for the other 8 only
+    own, own_rows = trained(tmp_path / "own", tmp_path / "own-cache")
+    assert own_rows == 16
+    a, b = half.drafter.state_dict(), own.drafter.state_dict()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst < 1e-4, worst  # (one position of one sample off by 0.01 moves them by 5e-3)
 
 
 def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(tiny_corpus, tmp_path):
@@ -678,8 +729,9 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
     seq = [5, 6, 7, 8]
     feats = torch.randn(1, 4, target.config.hidden_size)
     other.put([sequence_key(seq)], feats, [4])
-    got = reopened.get([sequence_key(seq)], 6, "cpu")  # seen by the first without reopening
-    assert torch.equal(got[0, :4], feats[0].half().float()) and not got[0, 4:].any()
+    got, missing = reopened.get([sequence_key(seq), sequence_key([1, 2])], 6, "cpu")  # seen by the first
+    assert torch.equal(got[0, :4], feats[0].half().float()) and not got[0, 4:].any()  # without reopening
+    assert missing == [1] and not got[1].any()
     reopened.put([sequence_key(seq + [9])], torch.randn(1, 5, target.config.hidden_size), [5])
     assert len(FeatureCache(cache, target, [3])) == 10  # the torn line cost nothing after it
     with pytest.raises(BlockdraftError, match="made for another layers"):

@@ -6,6 +6,8 @@
 # answer index 1, beside the greedy answer 0, an answer equal to it dropped; ids answered in the
 # earlier sampled folders skipped) to the built-in prompt mix, into data/regen/smollm2-135m-instruct-a1
 # (a folder of its own, so that the fixed --limit-samples sets of earlier runs stay what they were).
+# Every answer's target features go to the training feature cache runs/feature-cache (the shipped
+# drafter's layers), so that training later skips the target for these samples; set FEATURES= to skip.
 # Every step resumes where a stopped run left off and never answers a prompt twice, so the job can be
 # stopped at any time (Ctrl-C) and started again.
 #
@@ -23,6 +25,9 @@ answer_minutes=${3:-110}
 bd=.venv/bin/blockdraft
 prompts=data/prompts/smollm2-135m-instruct
 regen=data/regen/smollm2-135m-instruct
+cache=${FEATURES-runs/feature-cache}
+features=()
+if [[ -n $cache ]]; then features=(--feature-cache "$cache"); fi
 
 kept() {  # prompts already kept in a domain's folder
     local dir=$prompts/synth-$1
@@ -38,11 +43,11 @@ done
 deadline=$(( $(date +%s) + answer_minutes * 60 ))
 echo "grow_data: answering ($(date -u +%H:%M))" >&2
 $bd data regenerate --prompts "$prompts" --mix synth-code=1,synth-math=1,synth-chat=1 \
-    --out $regen-synth --dtype bfloat16 --seconds $(( deadline - $(date +%s) ))
+    --out $regen-synth --dtype bfloat16 --seconds $(( deadline - $(date +%s) )) "${features[@]}"
 left=$(( deadline - $(date +%s) ))
 if (( left > 120 )); then
     echo "grow_data: sampled answers to the built-in prompt mix for $(( left / 60 )) minutes ($(date -u +%H:%M))" >&2
     $bd data regenerate --out $regen-a1 --dtype bfloat16 --temperature 0.7 --top-p 0.8 --top-k 20 \
-        --first-answer 1 --dedup-against $regen,$regen-sampled,$regen-t07 --seconds "$left"
+        --first-answer 1 --dedup-against $regen,$regen-sampled,$regen-t07 --seconds "$left" "${features[@]}"
 fi
 echo "grow_data: done ($(date -u +%H:%M))" >&2

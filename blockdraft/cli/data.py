@@ -19,9 +19,9 @@ def cmd_data_regenerate(args) -> int:
         from ..models.default import default_target_dir
         from ..train.remote import RemoteTarget
 
-        if args.method != "ar" or args.draft or args.dtype:
-            raise BlockdraftError("--server: the server decodes; --method, --draft and --dtype apply to in-process "
-                                  "regeneration")
+        if args.method != "ar" or args.draft or args.dtype or args.feature_cache:
+            raise BlockdraftError("--server: the server decodes; --method, --draft, --dtype and --feature-cache apply "
+                                  "to in-process regeneration")
         folder = args.target or default_target_dir()
         tokenizer = load_tokenizer(folder)
         source = RemoteTarget(args.server, tokenizer, stop_token_ids(folder, tokenizer), api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
@@ -36,6 +36,11 @@ def cmd_data_regenerate(args) -> int:
         source = Engine.load(args.target, args.draft,
                              use_draft=methods.parse(args.method)[0].drafter == drafters.PRIMARY,
                              dtype=getattr(torch, args.dtype) if args.dtype else None)
+    cache = None
+    if args.feature_cache:
+        from ..train.features import FeatureCache
+
+        cache = FeatureCache(args.feature_cache, source.target, feature_layers(args, source), writer="regen")
     sampling = AnswerSampling(args.temperature, args.top_p, args.top_k)
     sources = None
     if args.prompts:
@@ -46,9 +51,14 @@ def cmd_data_regenerate(args) -> int:
                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, sampling=sampling,
                        answers_per_prompt=args.answers_per_prompt, method=args.method, seconds=args.seconds,
                        concurrency=args.concurrency, sources=sources, first_answer=args.first_answer,
-                       dedup_against=args.dedup_against.split(",") if args.dedup_against else ())
+                       dedup_against=args.dedup_against.split(",") if args.dedup_against else (),
+                       feature_cache=cache)
     print(f"regenerate: wrote {stats.written} samples to {args.out} ({stats.tokens} answer tokens in "
           f"{stats.seconds:.0f} s, {stats.tokens_per_second:.0f} tok/s)", file=sys.stderr)
+    if cache is not None:
+        cache.close()
+        print(f"regenerate: the target's features of {stats.features} of them went to {args.feature_cache} (layers "
+              f"{', '.join(map(str, cache.layers))}; it holds {len(cache)} samples' features)", file=sys.stderr)
     if stats.duplicates:
         print(f"regenerate: {stats.duplicates} sampled answers repeated one already kept for their prompt and were "
               "dropped (listed in dropped.txt)", file=sys.stderr)
@@ -64,6 +74,31 @@ def cmd_data_regenerate(args) -> int:
             print(f"regenerate: the server refused {stats.rejected} prompts (retried next run), e.g. "
                   f"{stats.last_rejection}", file=sys.stderr)
     return 0
+
+
+def feature_layers(args, engine) -> list[int]:
+    """The target layers `--feature-cache` records: `--feature-layers`, else the cache folder's
+    own, else those of the drafter `--draft` names or the one shipped for the default target."""
+    import json
+    from pathlib import Path
+
+    if args.feature_layers:
+        try:
+            return [int(i) for i in args.feature_layers.split(",")]
+        except ValueError:
+            raise BlockdraftError(f"--feature-layers: comma-separated layer ids, got {args.feature_layers!r}") from None
+    meta = Path(args.feature_cache) / "meta.json"
+    if meta.is_file():
+        return json.loads(meta.read_text())["layers"]
+    from ..checkpoint import read_config
+    from ..draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig
+    from ..engine import shipped_drafter
+
+    folder = args.draft or (shipped_drafter("dflash") if engine.default_target else None)
+    if folder is None:
+        raise BlockdraftError("--feature-cache: say which target layers to record (--feature-layers 1,14,27) or "
+                              "name the drafter to be trained from (--draft DIR)")
+    return DraftConfig.from_dict(read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE)).target_layer_ids
 
 
 def cmd_data_prompts(args) -> int:
@@ -107,6 +142,13 @@ def register(sub, methods) -> None:
     r.add_argument("--dedup-against", metavar="FOLDER[,FOLDER]",
                    help="answer folders whose answers count as kept: an id answered there is skipped, a new answer "
                         "identical to one there for its prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
+    r.add_argument("--feature-cache", metavar="DIR",
+                   help="also store the target's features of every answer in this training feature cache "
+                        "(`train --feature-cache DIR`), so that training skips the target for these samples; "
+                        "~0.6 MiB a sample, until the disk would keep under 2 GiB free")
+    r.add_argument("--feature-layers", metavar="IDS",
+                   help="--feature-cache: the target layers to record, e.g. 1,14,27 (default: the cache's own, "
+                        "else those of --draft or of the drafter shipped for the default target)")
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
     r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")

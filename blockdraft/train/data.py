@@ -32,6 +32,7 @@ from ..sequences import Request
 from ..spec import SpecConfig
 from ..text import chat_prompt_ids
 from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample
+from .features import FeatureRecorder, sequence_key
 from .remote import RemoteTarget, answer_prompts_remote
 
 SHARD_SIZE = 1000
@@ -231,6 +232,7 @@ class RegenStats:
     prompt_tokens: int = 0  # prompt tokens prefilled
     seconds: float = 0.0  # wall time of the decode loop (prefills included)
     steps: int = 0
+    features: int = 0  # samples whose features went to the feature cache (`--feature-cache`)
     # (seconds since start, answer tokens, prompt tokens, samples written so far) after each step
     timeline: list = field(default_factory=list)
     # through a server (`remote.answer_prompts_remote`):
@@ -260,16 +262,23 @@ class RegenStats:
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
                    sampling: AnswerSampling = AnswerSampling(), method: str = "ar", max_prompt_tokens: int = 256,
                    seconds: float | None = None, until=None, on_sample=None, bar=None,
-                   sort_every: int | None = None, share_prefix: bool = True) -> RegenStats:
+                   sort_every: int | None = None, share_prefix: bool = True, features=None) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
     step, free slots take the next prompts (prefilled together); finished rows go to `on_sample`.
     With `seconds`, the loop stops after that long, with `until` once `until(stats)` is true
     (checked every step); rows still running are then dropped. `sort_every`: steps between
     sorts of the rows by length (default: `decode.default_sort_every`). `share_prefix`: prefill
     the chat template's common start once and copy it into each prompt that begins with it
-    (`DecodeLoop.share_prefix`)."""
+    (`DecodeLoop.share_prefix`). `features`: a `FeatureCache` that gets each answered sequence's
+    features at its layers (method "ar" only), until its disk would keep less than 2 GiB free."""
     spec = SpecConfig(method).build(engine)
     proposer, block = spec.proposer, spec.block
+    recorder = None
+    if features is not None:
+        if method != "ar":
+            raise BlockdraftError("--feature-cache records the target's features while it answers alone "
+                                  "(--method ar)")
+        proposer = recorder = FeatureRecorder(features.layers, engine.target.config.hidden_size)
     dtype = engine.weights  # the precision (or quantized format) the target runs in
     stop = tuple(engine.stop_token_ids)
     loop = DecodeLoop(engine.target, proposer, block, batch_size, max_prompt_tokens + max_new_tokens + block,
@@ -282,8 +291,26 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     pending: dict[int, dict] = {}
     key, exhausted = 0, False
 
+    storing = recorder is not None
+
     def finish(k, state):
+        nonlocal storing
         p = pending.pop(k)
+        if recorder is not None:  # every position but the last went through the target
+            seq = p["prompt_ids"] + state.output_ids
+            rows = recorder.pop(k, len(seq) - 1)
+            why = None
+            if storing and not features.room(rows.numel() * 2, reserve=2 * 2**30):
+                why = "its disk would keep under 2 GiB free"
+            elif storing:
+                try:
+                    features.put([sequence_key(seq)], rows[None], [rows.shape[0]])
+                    stats.features += 1
+                except BlockdraftError as exc:
+                    why = str(exc)
+            if why is not None:
+                print(f"regenerate: no more features go to {features.folder}: {why}", file=sys.stderr)
+                storing = False
         if on_sample is not None:
             on_sample(make_sample(p, state.output_ids, state.finish_reason, method=method, sampling=sampling,
                                   max_new_tokens=max_new_tokens, dtype=dtype))
@@ -324,7 +351,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
                sampling: AnswerSampling = AnswerSampling(), answers_per_prompt: int = 1, method: str = "ar",
                seconds: float | None = None, until=None, progress: bool = True, concurrency: int = 64,
                share_prefix: bool = True, sources: dict | None = None, first_answer: int = 0,
-               dedup_against: Iterable[str | Path] = ()) -> RegenStats:
+               dedup_against: Iterable[str | Path] = (), feature_cache=None) -> RegenStats:
     """Answer training prompts with the target into `out_dir` (resumable); returns what this run did.
     `sources`: the prompt sources `mix` names (default: the built-in ones; see `training_prompts`).
 
@@ -338,7 +365,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     `remote.RemoteTarget` (an OpenAI-compatible server answers, `concurrency` requests at once).
     `limit` caps the prompt stream (the first N usable prompts of the mix, done or not);
     `seconds` stops the run after that long (rows still running are dropped, redone next time).
-    `share_prefix`: see `answer_prompts`."""
+    `share_prefix`, `feature_cache` (a `FeatureCache`, in-process only): see `answer_prompts`."""
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -348,6 +375,8 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
     except BlockingIOError:
         raise BlockdraftError(f"another `data regenerate` is writing to {out}") from None
     remote = isinstance(engine, RemoteTarget)
+    if remote and feature_cache is not None:
+        raise BlockdraftError("--feature-cache: a server's answers come without the target's features")
     if answers_per_prompt < 1:
         raise BlockdraftError(f"answers per prompt must be >= 1, got {answers_per_prompt}")
     if (answers_per_prompt > 1 or first_answer > 0) and sampling.temperature == 0:
@@ -389,7 +418,8 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
                 stats = answer_prompts_remote(engine, todo, concurrency=concurrency, stats=RegenStats(), **common)
             else:
                 stats = answer_prompts(engine, todo, batch_size=batch_size, method=method,
-                                       max_prompt_tokens=max_prompt_tokens, share_prefix=share_prefix, **common)
+                                       max_prompt_tokens=max_prompt_tokens, share_prefix=share_prefix,
+                                       features=feature_cache, **common)
         finally:
             bar.close()
             writer.close()

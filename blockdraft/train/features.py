@@ -8,12 +8,20 @@ drafter always trains on the float16-rounded features, computed or read, so a ru
 same way whether the cache was empty or full.
 
 Layout of a cache folder: `meta.json` (the target's fingerprint, the captured layers, the
-feature width), and per training process `features-rankR.bin` (float16 rows appended) with
-`index-rankR.jsonl` (one line per sample: its key, byte offset, row count; a line is written
-only once its rows are on disk; a process that misses a sample first reads the lines the
-others wrote since, so under DDP each sample is computed once). A sample's key is a hash of its token ids, so the cache serves
-any data folders, sample limits and orders that contain the same sequences; a cache built for
-another target or other layers is refused.
+feature width), and per writer (training process R: `rankR`; `data regenerate`: `regen`)
+`features-NAME.bin` (float16 rows appended) with `index-NAME.jsonl` (one line per sample: its
+key, byte offset, row count; a line is written only once its rows are on disk; a process that
+misses a sample first reads the lines the others wrote since, so under DDP each sample is
+computed once). A sample's key is a hash of its token ids, so the cache serves any data folders,
+sample limits and orders that contain the same sequences; a cache built for another target or
+other layers is refused.
+
+`data regenerate --feature-cache` fills the cache while it answers (`FeatureRecorder`): the
+target computes every position's features as it decodes, so storing them spares the first
+epoch the target's forward for those samples. They come from the decode loop's forwards
+(prefill, then one token at a time) instead of one forward over the whole sequence: the same
+model's features, equal up to floating-point rounding (tested), and every position but the last
+(whose features no anchor's context reaches).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import numpy as np
 import torch
 
 from ..errors import BlockdraftError
+from ..models.layers import permute_rows_
+from ..proposers import Proposer
 
 FP16_MAX = 65504.0
 
@@ -47,9 +57,10 @@ def target_fingerprint(target) -> str:
 
 
 class FeatureCache:
-    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0):
+    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0, writer: str | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.layers = tuple(int(i) for i in layer_ids)
         self.width = len(layer_ids) * target.config.hidden_size
         meta = {"format": 1, "target": target_fingerprint(target), "layers": [int(i) for i in layer_ids],
                 "width": self.width, "dtype": "float16"}
@@ -65,9 +76,10 @@ class FeatureCache:
         self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file name, byte offset, rows)
         self._read_upto: dict[Path, int] = {}  # index file -> bytes of it read so far
         self._refresh()
-        self._data_name = f"features-rank{rank}.bin"
+        name = writer or f"rank{rank}"
+        self._data_name = f"features-{name}.bin"
         self._data = open(self.folder / self._data_name, "ab")
-        index = self.folder / f"index-rank{rank}.jsonl"
+        index = self.folder / f"index-{name}.jsonl"
         torn = index.is_file() and index.stat().st_size and not index.read_bytes().endswith(b"\n")
         self._index = open(index, "a")
         if torn:  # a line cut short by a crash: the next ones start on their own line
@@ -77,7 +89,7 @@ class FeatureCache:
 
     def _refresh(self):
         """Read the index lines written since the last look (other training processes' too)."""
-        for index in sorted(self.folder.glob("index-rank*.jsonl")):
+        for index in sorted(self.folder.glob("index-*.jsonl")):
             data = index.name.replace("index-", "features-").replace(".jsonl", ".bin")
             size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
             with open(index, "rb") as f:
@@ -96,17 +108,20 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.index)
 
-    def get(self, keys: list[str], width: int, device, dtype=torch.float32) -> torch.Tensor | None:
+    def get(self, keys: list[str], width: int, device, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
         """Features [len(keys), width, self.width] as `dtype` on `device` (zeros past each
-        sequence), or None unless every key is cached."""
+        stored sequence and in the rows not cached), and the indices of the keys not cached."""
         if not all(k in self.index for k in keys):
             self._refresh()  # another process may have stored them since
-            if not all(k in self.index for k in keys):
-                self.misses += 1
-                return None
-        self.hits += 1
+        missing = [i for i, k in enumerate(keys) if k not in self.index]
+        if missing:
+            self.misses += 1
+        else:
+            self.hits += 1
         out = torch.zeros(len(keys), width, self.width, dtype=torch.float16)
         for row, key in enumerate(keys):
+            if key not in self.index:
+                continue
             name, offset, rows = self.index[key]
             fd = self._readers.get(name)
             if fd is None:
@@ -115,7 +130,7 @@ class FeatureCache:
             raw = os.pread(fd, rows * self.width * 2, offset)
             rows = min(rows, width)
             out[row, :rows] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:rows]
-        return out.to(device=device, dtype=dtype)
+        return out.to(device=device, dtype=dtype), missing
 
     def bytes_needed(self, sequences) -> int:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the cache."""
@@ -131,6 +146,10 @@ class FeatureCache:
                 f"and the disk has {free / 2**30:.1f} GiB free (1 GiB kept free): free some space, cache on another "
                 "disk, train on fewer samples (--limit-samples) or without --feature-cache")
         return need
+
+    def room(self, nbytes: int, reserve: int = 2**30) -> bool:
+        """Whether `nbytes` more fit on the cache's disk with `reserve` bytes left free."""
+        return shutil.disk_usage(self.folder).free - nbytes > reserve
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
         """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached."""
@@ -156,3 +175,42 @@ class FeatureCache:
         for fd in self._readers.values():
             os.close(fd)
         self._readers = {}
+
+
+class FeatureRecorder(Proposer):
+    """Plain decoding (it proposes nothing) that keeps the target's features at `layers` for
+    every position of every row: `data regenerate --feature-cache` stores them with each answer
+    (`pop`), so that training need not run the target over those samples again.
+
+    The rows' features live in one float16 buffer [rows, max_len, width]; the decode loop writes
+    each forward's features at their positions (padding and frozen rows write junk past a row's
+    end, never read), reorders the rows with the loop, and hands over a row when its sequence
+    ends (`release`), before a later prefill can reuse the slot."""
+
+    name = "ar"
+
+    def __init__(self, layers, hidden_size: int):
+        self.capture_layers = tuple(int(i) for i in layers)
+        self.width = len(self.capture_layers) * hidden_size
+        self.buf: torch.Tensor | None = None
+        self.ended: dict = {}  # request key -> its row's features [max_len, width]
+
+    def reset(self, batch, max_len):
+        if self.buf is None or self.buf.shape[:2] != (batch, max_len):
+            self.buf = torch.zeros(batch, max_len, self.width, dtype=torch.float16)
+        self.ended = {}
+
+    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
+        view = self.buf[rows]  # a view: writes land in the buffer
+        at = positions.clamp(max=view.shape[1] - 1).cpu()
+        view.scatter_(1, at[:, :, None].expand(-1, -1, self.width), features.detach().to("cpu", torch.float16))
+
+    def permute(self, order):
+        permute_rows_(self.buf, order, dim=0)
+
+    def release(self, row, key):
+        self.ended[key] = self.buf[row].clone()
+
+    def pop(self, key, length: int) -> torch.Tensor:
+        """The first `length` positions' features [length, width] of the ended request `key`."""
+        return self.ended.pop(key)[:length]

@@ -238,17 +238,18 @@ class Trainer:
         with torch.no_grad():
             positions = torch.arange(width, device=dev).expand(n, -1)
             soft = self.cfg.distill > 0 and self.kind.soft_labels
-            features = None
-            if self.features is not None:  # read them back, or compute, store and round them as stored
+            layers = tuple(self.drafter.config.target_layer_ids)
+            if self.features is None:
+                final, features = self.target(tokens, positions, capture=layers, features_only=not soft)
+            else:  # read back what is cached; compute, store and round as stored the rest
                 lengths = batch.lengths.tolist()
                 keys = [sequence_key(batch.tokens[i, :lengths[i]].tolist()) for i in range(n)]
-                features = self.features.get(keys, width, dev, self.dtype)
-            if features is None:
-                final, features = self.target(tokens, positions, capture=tuple(self.drafter.config.target_layer_ids),
-                                              features_only=not soft)
-                if self.features is not None:
-                    self.features.put(keys, features, lengths)
-                    features = features.half().to(features.dtype)
+                features, missing = self.features.get(keys, width, dev, self.dtype)
+                if missing:
+                    rows = torch.tensor(missing, device=dev)
+                    _, computed = self.target(tokens[rows], positions[rows], capture=layers, features_only=True)
+                    self.features.put([keys[i] for i in missing], computed, [lengths[i] for i in missing])
+                    features[rows] = computed.half().to(features.dtype)
             if soft:  # position p + k is predicted by the target's state at p + k - 1
                 before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
                 teacher = final[torch.arange(n, device=dev)[:, None], before]
@@ -507,7 +508,8 @@ class Trainer:
         self.elapsed, self._t0 = self.elapsed + time.perf_counter() - self._t0, time.perf_counter()
         if self.features is not None and self.rank == 0:
             print(f"train: feature cache {self.features.folder}: {len(self.features)} samples, "
-                  f"{self.features.hits} steps read it, {self.features.misses} ran the target", file=sys.stderr)
+                  f"{self.features.hits} steps read it whole, {self.features.misses} ran the target for some "
+                  "or all of their samples", file=sys.stderr)
         if self.step < cfg.max_steps:  # stopped at `until` or by a signal: the checkpoint holds the state
             return
         if self.world > 1:  # DDP must leave every process with the same weights
