@@ -21,6 +21,11 @@ the rates, their ratio per round, and whether the answers agree.
 target, twice each, interleaved, and prints the rates and how far the greedy answers agree:
 
     .venv/bin/python benchmarks/regen_throughput.py --compare-dtype 128 --batches 128 --mix sharegpt
+
+`--compare-features N` answers the same N prompts with and without `--feature-cache` (the target's
+features of every answer kept for training, each run into a fresh cache), twice each, interleaved:
+
+    .venv/bin/python benchmarks/regen_throughput.py --compare-features 160 --batches 128 --dtype bfloat16
 """
 
 import argparse
@@ -61,6 +66,8 @@ def main():
     ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
                          "length + grouped attention and without, twice each, interleaved, and print the wall times")
+    ap.add_argument("--compare-features", type=int, metavar="PROMPTS",
+                    help="the same prompts answered with and without keeping their features for training")
     ap.add_argument("--compare-prefix", type=int, metavar="PROMPTS",
                     help="instead: answer the same PROMPTS prompts with the chat template's shared start prefilled "
                          "once and without, twice each, interleaved, and print the wall times")
@@ -73,7 +80,7 @@ def main():
     args = ap.parse_args()
     if args.profile:
         return profile(args)
-    if args.compare_sorting or args.compare_prefix:
+    if args.compare_sorting or args.compare_prefix or args.compare_features:
         return compare_runs(args)
     if args.server_compare:
         return server_compare(args)
@@ -119,11 +126,14 @@ def main():
 
 
 def compare_runs(args):
-    """--compare-sorting / --compare-prefix: the same prompts answered each way, twice, interleaved."""
+    """--compare-sorting / --compare-prefix / --compare-features: the same prompts answered each way,
+    twice, interleaved."""
     import itertools
+    import shutil
+    import tempfile
 
-    engine = Engine.load(use_draft=False)
-    count = args.compare_sorting or args.compare_prefix
+    engine = Engine.load(use_draft=False, dtype=getattr(torch, args.dtype))
+    count = args.compare_sorting or args.compare_prefix or args.compare_features
     prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
                                     args.offset, args.offset + count))
     batch = max(args.batches)
@@ -132,7 +142,13 @@ def compare_runs(args):
     def copying(cache, order):  # the reorder as it was: a fresh copy of the whole cache
         cache.k, cache.v = cache.k[:, order], cache.v[:, order]
 
-    if args.compare_prefix:
+    if args.compare_features:
+        from blockdraft.engine import shipped_drafter
+        from blockdraft.train.features import FeatureCache
+
+        layers = json.loads((shipped_drafter("dflash") / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+        runs = [(f"features of layers {layers} kept", "features", in_place), ("answers only", {}, in_place)]
+    elif args.compare_prefix:
         runs = [("chat template's shared start prefilled once", dict(share_prefix=True), in_place),
                 ("every prompt prefilled whole", dict(share_prefix=False), in_place)]
     elif args.copying_permute:
@@ -143,10 +159,16 @@ def compare_runs(args):
                 ("rows sorted every 32 steps", dict(sort_every=32), in_place)]
     for label, options, permute in runs * 2:
         KVCache.permute = permute
+        if options == "features":  # a fresh cache each time: every answer's features written
+            options = dict(features=FeatureCache(tempfile.mkdtemp(prefix="features-", dir="runs"), engine.target,
+                                                 layers, writer="regen"))
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
                                max_prompt_tokens=args.max_prompt_tokens, **options)
         seconds = time.perf_counter() - t0
+        if "features" in options:
+            options["features"].close()
+            shutil.rmtree(options["features"].folder)
         print(f"{label}: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens in {seconds:.0f} s "
               f"({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
     KVCache.permute = in_place

@@ -203,7 +203,8 @@ class FeatureRecorder(Proposer):
     def observe(self, tokens, features, positions, rows=slice(None), valid=None):
         view = self.buf[rows]  # a view: writes land in the buffer
         at = positions.clamp(max=view.shape[1] - 1).cpu()
-        view.scatter_(1, at[:, :, None].expand(-1, -1, self.width), features.detach().to("cpu", torch.float16))
+        # (indexed assignment: a float16 `scatter_` along the positions took ~1,000x longer on a CPU)
+        view[torch.arange(view.shape[0])[:, None], at] = features.detach().to("cpu", torch.float16)
 
     def permute(self, order):
         permute_rows_(self.buf, order, dim=0)
