@@ -601,6 +601,31 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_epochs_fix_the_steps_and_the_samples_when_the_run_starts(tiny_corpus, tmp_path):
+    """`--epochs 1.5` over two folders of 16 samples, 4 a step: 12 steps, on those 32 samples even
+    when the first folder grows before the run resumes from its checkpoint."""
+    import shutil
+
+    root = tiny_corpus[0]
+    first_folder, second_folder = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(root / "data", first_folder)
+    shutil.copytree(root / "data", second_folder)
+    cfg = dict(data=f"{first_folder},{second_folder}", epochs=1.5, max_steps=999, save_every=1)
+    first = Trainer(tiny_config(root, tmp_path / "run", **cfg))
+    assert (first.cfg.max_steps, first.cfg.folder_samples, len(first.samples)) == (12, [16, 16], 32)
+    first.run(until=3)
+    more = [json.loads(line) for line in (first_folder / "shard-00000.jsonl").read_text().splitlines()]
+    with open(first_folder / "shard-00001.jsonl", "w") as f:  # answers added after the run started
+        for s in more:
+            f.write(json.dumps({**s, "id": s["id"] + "~a1", "answer_ids": s["answer_ids"][::-1]}) + "\n")
+    assert len(Trainer(tiny_config(root, tmp_path / "new", **cfg)).samples) == 48  # a new run sees them
+    again = Trainer(tiny_config(root, tmp_path / "run", **cfg), resume=True)
+    assert (again.step, again.cfg.max_steps, len(again.samples)) == (3, 12, 32)
+    assert [s[0] for s in again.samples] == [s[0] for s in first.samples]
+    again.run()
+    assert again.step == 12
+
+
 def test_training_data_from_several_folders(tiny_corpus, tmp_path):
     """`--data A,B` trains on both folders' samples, including a second answer to a prompt that
     A answered already (same id, other folder); a missing folder is a clear error."""

@@ -36,6 +36,9 @@ class TrainConfig:
     batch_size: int = _opt(4, "sequences per step per process")
     max_seq_len: int = _opt(512, "longest training sequence (prompt + answer), in tokens")
     max_steps: int = _opt(1000, "optimizer steps")
+    epochs: float | None = _opt(None, "train this many epochs instead of --max-steps: the steps and the samples "
+                                      "(--folder-samples) are fixed when the run starts, so answers added to its "
+                                      "folders later do not change it")
     lr: float = _opt(6e-4, "peak learning rate (AdamW)")
     schedule: str = _opt("cosine", "cosine (to min_lr) | wsd (warmup, constant, linear decay over --decay-frac)")
     warmup_frac: float = _opt(0.04, "warmup as a fraction of --max-steps")
@@ -62,6 +65,8 @@ class TrainConfig:
                                "target; see init_from_target)")
     draft_vocab: int = _opt(0, ">0: the drafter scores only the N most frequent answer tokens (0: all)")
     limit_samples: int | None = _opt(None, "train on the first N training samples only")
+    folder_samples: list[int] | None = _opt(None, "train on the first N training samples of each --data folder "
+                                                  "only, one count per folder (--epochs sets it)")
     feature_cache: str | None = _opt(None, "folder: the target's features kept on disk across epochs "
                                            "(pays from the second epoch)")
     extra: dict = field(default_factory=dict)

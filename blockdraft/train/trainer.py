@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -91,7 +92,14 @@ class Trainer:
             cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
         self.kind = drafters.kind(cfg.arch)
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
+        if cfg.epochs and cfg.folder_samples is None and resume and (self.out / "checkpoint" / "state.json").is_file():
+            saved = json.loads((self.out / "checkpoint" / "state.json").read_text())["config"]
+            cfg.folder_samples = saved.get("folder_samples")  # the samples the run started with
         self.samples = self._load_samples()
+        if cfg.epochs:  # fixed at the start: the samples there are now, the steps that cover them
+            if cfg.folder_samples is None:
+                cfg.folder_samples = self.folder_counts
+            cfg.max_steps = math.ceil(cfg.epochs * len(self.samples) / (cfg.batch_size * self.world))
         self._orders: dict[int, list[int]] = {}
         self.step = 0
         self.tokens_seen = 0  # sequence tokens through the target, all processes
@@ -141,12 +149,20 @@ class Trainer:
             if not folder.is_dir():
                 raise BlockdraftError(f"training data folder not found: {folder} "
                                       "(make it with `blockdraft data regenerate`)")
-        train, valid = [], []
-        for s in iter_samples(cfg.data):
-            seq = (s["prompt_ids"] + s["answer_ids"])[: cfg.max_seq_len]
-            item = (seq, len(s["prompt_ids"]), s)
-            (valid if s["split"] == "valid" else train).append(item)
-        train = [t for t in train if len(t[0]) - t[1] >= 2]
+        train, valid, self.folder_counts = [], [], []
+        for n, folder in enumerate(data_folders(cfg.data)):
+            mine = []
+            for s in iter_samples(folder):
+                seq = (s["prompt_ids"] + s["answer_ids"])[: cfg.max_seq_len]
+                item = (seq, len(s["prompt_ids"]), s)
+                (valid if s["split"] == "valid" else mine).append(item)
+            mine = [t for t in mine if len(t[0]) - t[1] >= 2]
+            if cfg.folder_samples is not None:
+                if len(cfg.folder_samples) != len(data_folders(cfg.data)):
+                    raise BlockdraftError(f"--folder-samples: one count per --data folder, got {cfg.folder_samples}")
+                mine = mine[: cfg.folder_samples[n]]
+            self.folder_counts.append(len(mine))
+            train += mine
         if cfg.limit_samples:
             train = train[: cfg.limit_samples]
         if not train:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The next drafter for the default target (issue "Drafters that learn more per sample"): the shipped
+# DSpark drafter (DFlash + a rank-256 Markov head, block 4) trained EPOCHS more epochs over every
+# answer folder of data/regen (greedy, sampled and self-written prompts' answers), in the recipe of
+# the shipped one (docs/training.md, "The DSpark run"). The samples and steps are fixed when the run
+# starts (--epochs); the target's features come from runs/feature-cache (what `data regenerate
+# --feature-cache` stored while answering; the rest are computed and stored on the first epoch).
+# Resumable from any point: the first call starts the run, every later one continues it, on this
+# machine from runs/NAME/checkpoint (with the optimizer state), on a fresh one from the committed
+# position data/train-logs/positions/NAME (commit that folder, never runs/).
+#
+#   tools/train_all.sh [EPOCHS]        # default 3; NAME=dspark-e3 by default
+#
+# Ctrl-C (or SIGTERM) stops it at the end of a step with a checkpoint and the position written.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+epochs=${1:-3}
+name=${NAME:-dspark-e$epochs}
+bd=.venv/bin/blockdraft
+pos=data/train-logs/positions/$name
+common=(--out "runs/$name" --position-dir "$pos" --feature-cache runs/feature-cache)
+if [[ -f $pos/state.json ]]; then
+    exec $bd train --resume-from "$pos" "${common[@]}"
+fi
+main=data/regen/smollm2-135m-instruct
+data=$(ls -d $main $main-* | paste -sd, -)  # the greedy answers first, then the other folders by name
+exec $bd train "${common[@]}" --data "$data" --epochs "$epochs" --markov-rank 256 --block-size 4 \
+    --num-anchors 64 --batch-size 4 --draft-vocab 8192 --schedule wsd --warmup-steps 25 --lr 3e-4 \
+    --dtype bfloat16 --init-from blockdraft/shipped/smollm2-135m-instruct-dflash \
+    --eval-every 2500 --eval-prompts 32 --eval-max-new-tokens 96 --save-every 100
