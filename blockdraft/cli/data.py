@@ -145,7 +145,7 @@ def register(sub, methods) -> None:
     r.add_argument("--feature-cache", metavar="DIR",
                    help="also store the target's features of every answer in this training feature cache "
                         "(`train --feature-cache DIR`), so that training skips the target for these samples; "
-                        "~0.6 MiB a sample, until the disk would keep under 2 GiB free")
+                        "~1 MiB a sample, until the disk would keep under 2 GiB free")
     r.add_argument("--feature-layers", metavar="IDS",
                    help="--feature-cache: the target layers to record, e.g. 1,14,27 (default: the cache's own, "
                         "else those of --draft or of the drafter shipped for the default target)")
