@@ -182,7 +182,7 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     again = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
     run = dict(mix="asdiv", limit=3, max_new_tokens=4, batch_size=2, progress=False)
     assert regenerate(engine, tmp_path / "answers", feature_cache=again, **run).features == 3
-    again.room = lambda nbytes, reserve: False
+    again.room = lambda nbytes, reserve=0: False
     assert regenerate(engine, tmp_path / "answers", feature_cache=again, **{**run, "limit": 5}).features == 0
     again.close()
 

@@ -136,26 +136,28 @@ class FeatureCache:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the cache."""
         return sum(len(seq) for seq in sequences if sequence_key(seq) not in self.index) * self.width * 2
 
-    def check_space(self, sequences, reserve: int = 2**30):
-        """A clear error now, rather than a full disk hours into a run, when the features of
-        `sequences` not cached yet would not fit on the cache's disk (keeping `reserve` bytes free)."""
+    def check_space(self, sequences, reserve: int = 2**30) -> str | None:
+        """Said before a run, not found out hours into it: None when the features of `sequences`
+        not cached yet fit on the cache's disk with `reserve` bytes left free, else what happens
+        instead (`put` stores them until the disk would keep only `reserve`; the rest are
+        computed every time)."""
         need, free = self.bytes_needed(sequences), shutil.disk_usage(self.folder).free
-        if need > free - reserve:
-            raise BlockdraftError(
-                f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB more "
-                f"and the disk has {free / 2**30:.1f} GiB free (1 GiB kept free): free some space, cache on another "
-                "disk, train on fewer samples (--limit-samples) or without --feature-cache")
-        return need
+        if need <= free - reserve:
+            return None
+        return (f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
+                f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits ({max(0, free - reserve) / 2**30:.1f}"
+                f" GiB, 1 GiB kept free), and the target runs for the other samples every epoch")
 
     def room(self, nbytes: int, reserve: int = 2**30) -> bool:
         """Whether `nbytes` more fit on the cache's disk with `reserve` bytes left free."""
         return shutil.disk_usage(self.folder).free - nbytes > reserve
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
-        """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached."""
+        """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached, or
+        the disk would keep less than 1 GiB free."""
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
-        if not new:
-            return
+        if not new or not self.room(sum(int(lengths[i]) for i, _ in new) * self.width * 2):
+            return  # (a full disk: these stay uncached, computed again when next needed)
         full = features.detach().float().cpu()
         for i, key in new:
             rows = int(lengths[i])
