@@ -143,10 +143,10 @@ def compare_runs(args):
         cache.k, cache.v = cache.k[:, order], cache.v[:, order]
 
     if args.compare_features:
-        from blockdraft.engine import shipped_drafter
+        from blockdraft.cli.data import feature_layers
         from blockdraft.train.features import FeatureCache
 
-        layers = json.loads((shipped_drafter("dflash") / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+        layers = feature_layers(argparse.Namespace(feature_layers=None, feature_cache="", draft=None), engine)
         runs = [(f"features of layers {layers} kept", "features", in_place), ("answers only", {}, in_place)]
     elif args.compare_prefix:
         runs = [("chat template's shared start prefilled once", dict(share_prefix=True), in_place),
