@@ -22,6 +22,9 @@
     # (resumes from data/train-logs/positions/epochs-ARCH, which is committed)
     .venv/bin/python benchmarks/experiments.py epochs --arch dflash
     .venv/bin/python benchmarks/experiments.py epochs --arch eagle3
+    # hard labels against the target's distribution (soft labels) at equal steps, from scratch
+    .venv/bin/python benchmarks/experiments.py labels --data data/regen/smollm2-135m-instruct-a1 --offset 6842 \
+        --samples 2000 --dtype bfloat16 --feature-cache runs/feature-cache
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python benchmarks/experiments.py table --plot docs/data_scaling.png
 
@@ -53,6 +56,7 @@ import torch
 from blockdraft.bench.runner import cpu_name
 from blockdraft.train.answers import prompt_of
 from blockdraft.train.data import ShardWriter, iter_samples
+from blockdraft.train.features import TEACHER_TOPK
 from blockdraft.train.config import TrainConfig
 from blockdraft.train.trainer import Trainer, adopt_position
 
@@ -420,6 +424,48 @@ def cmd_epochs(args):
         run(key, dataclasses.replace(main.cfg, out=str(out), max_steps=steps), extra)
 
 
+def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
+    """Training samples [offset, offset + samples) of `source`'s training split (shards are only
+    ever appended, so the same slice on any checkout) and its whole held-out split, in one folder."""
+    rows = list(iter_samples(source))
+    train = [s for s in rows if s["split"] == "train"][offset: offset + samples]
+    valid = [s for s in rows if s["split"] == "valid"]
+    if len(train) < samples:
+        raise SystemExit(f"labels: {source} has {len(train)} training samples from {offset}, not {samples}")
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        writer = ShardWriter(out)
+        for s in train + valid:
+            writer.write(s)
+        writer.close()
+    return {"folder": str(out), "source": source, "offset": offset, "train_samples": len(train),
+            "valid_samples": len(valid), "answer_tokens": sum(len(s["answer_ids"]) for s in train),
+            "temperature": train[0].get("temperature", 0.0)}
+
+
+def cmd_labels(args):
+    """Hard labels (the answer's own tokens) against soft labels (the target's distribution at
+    each block position, `--distill`) at equal steps: the epoch curve's recipe from scratch on the
+    same samples in the same order, measured on the same held-out prompts (decode loop) and
+    answers (teacher-forced). On sampled answers a hard label is often not the target's most
+    likely token (17% of a1's at T 0.7: benchmarks/label_agreement.py), which is what greedy
+    verification accepts; a soft label is the distribution the token was drawn from (its top
+    TEACHER_TOPK tokens)."""
+    name = f"{Path(args.data).name}-{args.offset}-{args.samples}"
+    info = labels_data(args.data, args.offset, args.samples, RUNS / f"labels-data-{name}")
+    steps = args.epochs * math.ceil(args.samples / EPOCH_RECIPES[args.arch]["batch_size"])
+    for distill in args.distill:
+        key = f"labels/{args.arch}/{name}/distill-{distill:g}"
+        if key in done_runs():
+            continue
+        settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
+                    "dtype": args.dtype, "distill": distill, "feature_cache": args.feature_cache}
+        cfg = TrainConfig(out=str(RUNS / f"labels-{args.arch}-{name}-{distill:g}"), max_steps=steps,
+                          **{**common(args), "data": info["folder"]}, **settings)
+        run(key, cfg, {"kind": "labels", "arch": args.arch, "distill": distill, "epochs": args.epochs,
+                       "teacher_topk": TEACHER_TOPK, **info})
+
+
 def cmd_blocks(args):
     """Add the teacher-forced acceptance to finished runs recorded without it (from their saved drafters)."""
     lines = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
@@ -499,7 +545,7 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "labels", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -546,10 +592,20 @@ def main():
     e.add_argument("--warmup-steps", type=int, default=25)
     e.add_argument("--feature-cache", default=None, help="default: runs/feature-cache-ARCH")
     e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    lb = sub.choices["labels"]
+    lb.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dspark")
+    lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
+    lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
+    lb.add_argument("--epochs", type=int, default=1)
+    lb.add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
+                    help="one run per weight of the soft labels (0: hard labels only)")
+    lb.add_argument("--warmup-steps", type=int, default=25)
+    lb.add_argument("--feature-cache", default=None, help="features (and the target's top tokens) kept across runs")
+    lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
     {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
-     "context": cmd_context, "epochs": cmd_epochs,
+     "context": cmd_context, "epochs": cmd_epochs, "labels": cmd_labels,
      "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 

@@ -1,6 +1,6 @@
 """The training A/B tables of docs/training.md from data/train-logs/experiments.jsonl: sampled vs
-greedy answers, a Markov head vs plain DFlash, the training context, and the epoch curve (one row
-per finished run).
+greedy answers, a Markov head vs plain DFlash, the training context, the epoch curve, and hard
+vs soft labels (one row per finished run).
 
     .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md \
         --plot docs/epoch_curve.png
@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
-KINDS = {"sampling": "answers", "markov": "drafter", "context": "sequences", "epochs": "arch, epochs"}
+KINDS = {"sampling": "answers", "markov": "drafter", "context": "sequences", "epochs": "arch, epochs",
+         "labels": "labels, data"}
 
 
 def _f(x, digits=3):
@@ -37,6 +38,13 @@ def describe(r: dict) -> str:
     if kind == "context":
         return (f"cut at {r['max_seq_len']} tokens, {r['train_samples']} answers, {r['budget_minutes']:g} CPU "
                 f"minutes, τ decode at {r['config']['eval_max_new_tokens']} tokens")
+    if kind == "labels":
+        labels = ("hard (the answer's tokens)" if not r["distill"] else
+                  f"soft {r['distill']:g} ({'top ' + str(r['teacher_topk']) if r.get('teacher_topk') else 'whole'}"
+                  " distribution)")
+        answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
+        return (f"{labels}; {r['arch']} from scratch, {r['epochs']} epoch of {r['train_samples']} {answers} answers "
+                f"({Path(r['source']).name} from {r['offset']})")
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
 
 

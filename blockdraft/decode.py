@@ -266,6 +266,7 @@ class DecodeLoop:
             features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
         logits = self.target.logits(last)[:, None]
+        self.proposer.observe_logits(logits, (lengths - 1)[:, None], rows)
         first = self._sample(logits, lengths[:, None], rows)[0][:, 0]
         want = [i for i, r in enumerate(reqs) if r.logprobs is not None and not self.states[first_slot + i].error]
         scored = {}
@@ -364,6 +365,7 @@ class DecodeLoop:
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
         logits = self.target.logits(hidden)
+        self.proposer.observe_logits(logits, positions, rows)
         target_ids, failed = self._sample(logits, positions + 1, rows)
         scoring = [b for b in occupied if self.requests[b].logprobs is not None and not self.states[b].finished]
         if not scoring:

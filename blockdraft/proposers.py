@@ -55,6 +55,11 @@ class Proposer:
         (`valid` [B]; None: every entry is committed) are junk; a later call rewrites those
         positions."""
 
+    def observe_logits(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice = slice(None)) -> None:
+        """The target's logits [B, T, V] of batch rows `rows`, computed at positions [B, T] (each
+        predicts the token after its position): the prefill's last position and every verified
+        one. Entries past a row's committed length are junk, as in `observe`."""
+
     def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int,
                 rows: slice = slice(None), probs: bool = False) -> Draft:
         """Draft tokens for positions p+1..p+n of batch rows `rows`, given each row's last

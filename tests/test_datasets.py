@@ -138,7 +138,8 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     """`--feature-cache`: while rows join, leave and are re-sorted in a 3-row batch (and start from
     the shared chat-template prefix), every answered sequence's features go to the training feature
     cache: the target's own forward's over the whole sequence at the drafter's layers, every
-    position but the last, under the key training looks them up by."""
+    position but the last, under the key training looks them up by, with the target's top tokens
+    (soft labels) at every answer position: those of the same forward's logits."""
     import argparse
 
     import torch
@@ -167,6 +168,15 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
                                      features_only=True)
         assert missing == [] and not stored[0, -1].any()  # the last position never went through the target
         torch.testing.assert_close(stored[0, :-1], whole[0, :-1], rtol=1e-3, atol=1e-3)
+        ids, logp, missing = cache.get_teacher([sequence_key(seq)], len(seq), "cpu")
+        start = len(s["prompt_ids"]) - 1  # the position predicting the first answer token
+        assert missing == [] and (ids[0, :start] == -1).all() and (ids[0, len(seq) - 1:] == -1).all()
+        with torch.no_grad():
+            final, _ = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None])
+            full = torch.log_softmax(engine.target.logits(final[0, start:-1]).float(), -1)
+        assert torch.equal(ids[0, start:-1, 0], full.argmax(-1))  # greedy answers: the top token is the answer's
+        assert torch.equal(ids[0, start:-1, 0], torch.tensor(s["answer_ids"]))
+        torch.testing.assert_close(logp[0, start:-1], full.gather(1, ids[0, start:-1]), rtol=1e-3, atol=2e-3)
     cache.close()
     assert feature_layers(args, engine) == [1, 14, 27]  # now the cache's own
     from blockdraft.models import load_target

@@ -405,14 +405,21 @@ def test_learning_rate_schedules():
     assert lr_at(wsd, 90) == pytest.approx(0.5) and lr_at(wsd, 99) == pytest.approx(0.05)  # linear decay
 
 
-def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(tiny_corpus, tmp_path):
-    """distill=1: the loss equals sum_k w_k * CE(softmax(target logits predicting x_{a+k}), drafter logits)
-    / sum_k w_k, computed here from the full target forward position by position; distill=0 is the
+@pytest.mark.parametrize("topk", [8, 97])
+def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(tiny_corpus, tmp_path, monkeypatch,
+                                                                             topk):
+    """distill=1: the loss equals sum_k w_k * CE(q, drafter logits) / sum_k w_k, where q is the target's
+    distribution predicting x_{a+k} cut to its `topk` likeliest tokens and renormalized (log-probabilities
+    rounded to float16, as the feature cache keeps them), computed here from the full target forward
+    position by position; at topk = the vocabulary that is the whole distribution. distill=0 is the
     hard-label loss."""
     import torch.nn.functional as F
 
+    from blockdraft.train import features, trainer as trainer_mod
     from blockdraft.train.loss import weighted_loss
 
+    monkeypatch.setattr(features, "TEACHER_TOPK", topk)
+    monkeypatch.setattr(trainer_mod, "TEACHER_TOPK", topk)
     root = tiny_corpus[0]
     trainer = Trainer(tiny_config(root, tmp_path / "run", distill=1.0))
     batch = trainer.batch_at(0)
@@ -427,8 +434,12 @@ def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(ti
                 if batch.labels[i, j] == IGNORE:
                     continue
                 p = int(batch.block_positions[i, j]) - 1  # the target predicts x_{p+1} at p
-                want = torch.softmax(trainer.target.logits(final[i, p]), -1)
-                got = torch.log_softmax(F.linear(hidden[i, j], head), -1)
+                logp = torch.log_softmax(trainer.target.logits(final[i, p]).float(), -1)
+                top = logp.topk(topk)
+                want = torch.softmax(top.values.half().float(), -1)
+                if topk == head.shape[0]:
+                    torch.testing.assert_close(want, logp.exp()[top.indices], rtol=2e-3, atol=1e-5)
+                got = torch.log_softmax(F.linear(hidden[i, j], head), -1)[top.indices]
                 num += float(batch.weights[i, j]) * float(-(want * got).sum())
                 den += float(batch.weights[i, j])
         args = (hidden, head, batch.labels, batch.weights, batch.offsets, 4, 7)
@@ -589,7 +600,8 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
 
     g = torch.Generator().manual_seed(0)
     n, h, v, b = 3000, 64, 500, 8
-    head, teacher, h0 = torch.randn(v, h, generator=g), torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    head, h0 = torch.randn(v, h, generator=g), torch.randn(n, h, generator=g)
+    teacher = (torch.randint(-1, v, (n, 8), generator=g), torch.randn(n, 8, generator=g))  # (ids; -1: none)
     y, k, w = torch.randint(0, v, (n,), generator=g), torch.randint(0, b, (n,), generator=g), torch.rand(n, generator=g)
     results = []
     for threshold in (0, 1 << 40):
@@ -686,13 +698,14 @@ def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_sam
     second.features.close()
 
 
-@pytest.mark.parametrize("arch", ["dflash", "eagle3"])
-def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpus, tmp_path, arch):
+@pytest.mark.parametrize("arch,distill", [("dflash", 0.0), ("eagle3", 0.0), ("dflash", 0.5)])
+def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpus, tmp_path, arch, distill):
     """The features a `FeatureRecorder` keeps while the decode loop answers (what `data regenerate
     --feature-cache` stores) are the target's own forward's over the whole sequence, every position
-    but the last; a run whose cache holds them for half its samples runs the target on the other
-    half only and trains like a run that computed them all itself."""
-    from blockdraft.train.features import FeatureCache, FeatureRecorder, sequence_key
+    but the last, and its top tokens (soft labels) those of that forward's logits at every answer
+    position; a run whose cache holds them for half its samples runs the target on the other
+    half only and trains like a run that computed them all itself (soft labels too)."""
+    from blockdraft.train.features import TEACHER_TOPK, FeatureCache, FeatureRecorder, sequence_key
 
     root, target, prompts, answers = tiny_corpus
     layers = [1, 2, 3] if arch == "eagle3" else [3]
@@ -704,22 +717,33 @@ def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpu
     cache = FeatureCache(tmp_path / "cache", target, layers, writer="regen")
     for i, (p, a) in enumerate(zip(prompts[:8], answers[:8])):
         seq = p + a
-        rows = recorder.pop(i, len(seq) - 1)
+        rows, (ids, logp) = recorder.pop(i, len(seq) - 1, start=len(p) - 1)
         with torch.no_grad():
-            _, whole = target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers),
-                              features_only=True)
+            final, whole = target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers))
+            full = torch.log_softmax(target.logits(final[0, len(p) - 1: -1]).float(), -1)
         torch.testing.assert_close(rows.float(), whole[0, :-1], rtol=2e-3, atol=2e-3)  # float16, decode order
-        cache.put([sequence_key(seq)], rows[None], [rows.shape[0]])
+        assert ids.shape == logp.shape == (len(a), TEACHER_TOPK)
+        kth = full.topk(TEACHER_TOPK).values[:, -1:]
+        assert bool((full.gather(1, ids.long()) >= kth - 1e-4).all())  # the likeliest tokens, all of them
+        torch.testing.assert_close(logp.float(), full.gather(1, ids.long()), rtol=1e-3, atol=1e-3)
+        key = sequence_key(seq)
+        cache.put([key], rows[None], [rows.shape[0]])
+        cache.put_teacher(key, ids, logp, start=len(p) - 1)
+        got_ids, got_logp, missing = cache.get_teacher([key, "none"], len(seq) + 2, "cpu")
+        assert missing == [1] and (got_ids[1] == -1).all()
+        assert (got_ids[0, :len(p) - 1] == -1).all() and (got_ids[0, len(seq) - 1:] == -1).all()
+        assert torch.equal(got_ids[0, len(p) - 1: len(seq) - 1], ids.long())
+        assert torch.equal(got_logp[0, len(p) - 1: len(seq) - 1], logp.float())
     assert not recorder.ended
     cache.close()
 
     def trained(out, folder):
-        trainer = Trainer(tiny_config(root, out, max_steps=4, feature_cache=str(folder), **extra))
+        trainer = Trainer(tiny_config(root, out, max_steps=4, feature_cache=str(folder), distill=distill, **extra))
         computed = []
         forward = trainer.target.forward
 
         def counting(tokens, *args, **kw):
-            if kw.get("features_only"):
+            if len(args) == 1 and "features_only" in kw:  # the trainer's forwards (not the decode loop's)
                 computed.append(tokens.shape[0])
             return forward(tokens, *args, **kw)
 
@@ -732,6 +756,8 @@ def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpu
     assert half_rows == 8 and len(half.features) == 16  # one epoch: the target ran for the other 8 only
     own, own_rows = trained(tmp_path / "own", tmp_path / "own-cache")
     assert own_rows == 16
+    if distill:
+        assert len(own.features._teacher.index) == 16
     a, b = half.drafter.state_dict(), own.drafter.state_dict()
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     assert worst < 1e-4, worst  # (one position of one sample off by 0.01 moves them by 5e-3)
@@ -761,8 +787,6 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
     assert len(FeatureCache(cache, target, [3])) == 10  # the torn line cost nothing after it
     with pytest.raises(BlockdraftError, match="made for another layers"):
         FeatureCache(cache, target, [1, 3])
-    with pytest.raises(BlockdraftError, match="soft labels"):
-        Trainer(tiny_config(root, tmp_path / "soft", feature_cache=str(cache), distill=0.5))
 
 
 def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_corpus, tmp_path, monkeypatch,

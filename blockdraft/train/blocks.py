@@ -29,6 +29,7 @@ class BlockBatch:
     weights: torch.Tensor  # [N, A*B]
     mask: torch.Tensor  # [N, 1, A*B, L + A*B] bool: what each block query sees
     offsets: torch.Tensor  # [N, A*B] k, the position inside the block
+    starts: torch.Tensor  # [N] where each sequence's answer starts
 
 
 def sample_anchors(answer_start: int, length: int, count: int, block_size: int, mode: str,
@@ -78,4 +79,5 @@ def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size:
     own = block_of[:, None] == block_of[None, :]  # each query sees its own block
     context = torch.arange(width)[None, None, :] < at[:, :, None]  # strictly before its anchor (none: padding)
     mask = torch.cat([context, own.expand(n, q, q)], dim=2)[:, None]
-    return BlockBatch(tokens, lengths, block_tokens, block_positions, labels, weights, mask, offsets)
+    return BlockBatch(tokens, lengths, block_tokens, block_positions, labels, weights, mask, offsets,
+                      torch.tensor(answer_starts))

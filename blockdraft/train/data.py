@@ -270,7 +270,8 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
     sorts of the rows by length (default: `decode.default_sort_every`). `share_prefix`: prefill
     the chat template's common start once and copy it into each prompt that begins with it
     (`DecodeLoop.share_prefix`). `features`: a `FeatureCache` that gets each answered sequence's
-    features at its layers (method "ar" only), until its disk would keep less than 2 GiB free."""
+    features at its layers and the target's top tokens at its answer positions (soft labels;
+    method "ar" only), until its disk would keep less than 2 GiB free."""
     spec = SpecConfig(method).build(engine)
     proposer, block = spec.proposer, spec.block
     recorder = None
@@ -298,13 +299,16 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
         p = pending.pop(k)
         if recorder is not None:  # every position but the last went through the target
             seq = p["prompt_ids"] + state.output_ids
-            rows = recorder.pop(k, len(seq) - 1)
+            # the top tokens from the position before the first answer token on: soft labels
+            rows, top = recorder.pop(k, len(seq) - 1, start=len(p["prompt_ids"]) - 1)
             why = None
-            if storing and not features.room(rows.numel() * 2, reserve=2 * 2**30):
+            if storing and not features.room(rows.numel() * 2 + top[0].numel() * 6, reserve=2 * 2**30):
                 why = "its disk would keep under 2 GiB free"
             elif storing:
                 try:
-                    features.put([sequence_key(seq)], rows[None], [rows.shape[0]])
+                    key = sequence_key(seq)
+                    features.put([key], rows[None], [rows.shape[0]])
+                    features.put_teacher(key, *top, start=len(p["prompt_ids"]) - 1)
                     stats.features += 1
                 except BlockdraftError as exc:
                     why = str(exc)

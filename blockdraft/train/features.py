@@ -56,7 +56,82 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()
 
 
+TEACHER_TOPK = 32  # the target's likeliest tokens kept per position for soft labels (on the default
+# target's answers they hold 94-96% of its probability, 91-94% at 16: benchmarks/label_agreement.py)
+
+
+class _Store:
+    """One kind of per-sample record in a cache folder: per writer NAME, `DATA-NAME.bin` (records
+    appended) and `INDEX-NAME.jsonl`, one line [key, byte offset, rows, *extra] per record, written
+    once its bytes are on disk. `nbytes(rows, extra)`: a record's size. Reads the lines other
+    processes append (`refresh`), skips a line torn by a crash."""
+
+    def __init__(self, folder: Path, data: str, index: str, writer: str, nbytes):
+        self.folder, self._data_prefix, self._index_prefix, self.nbytes = folder, data, index, nbytes
+        self.index: dict[str, tuple] = {}  # key -> (data file name, byte offset, rows, extra)
+        self._read_upto: dict[Path, int] = {}  # index file -> bytes of it read so far
+        self.refresh()
+        self._data_name = f"{data}-{writer}.bin"
+        self._data = open(folder / self._data_name, "ab")
+        path = folder / f"{index}-{writer}.jsonl"
+        torn = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        self._index = open(path, "a")
+        if torn:  # a line cut short by a crash: the next ones start on their own line
+            self._index.write("\n")
+        self._readers: dict[str, int] = {}
+
+    def refresh(self):
+        """Read the index lines written since the last look (other processes' too)."""
+        for index in sorted(self.folder.glob(f"{self._index_prefix}-*.jsonl")):
+            data = f"{self._data_prefix}-{index.name[len(self._index_prefix) + 1: -len('.jsonl')]}.bin"
+            size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
+            with open(index, "rb") as f:
+                f.seek(self._read_upto.get(index, 0))
+                chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            self._read_upto[index] = self._read_upto.get(index, 0) + len(whole)
+            for line in whole.decode().splitlines():
+                try:
+                    key, offset, rows, *extra = json.loads(line)
+                    if offset + self.nbytes(rows, extra) <= size:
+                        self.index[key] = (data, offset, rows, tuple(extra))
+                except (ValueError, TypeError):
+                    continue  # a line torn by a crash
+
+    def has_all(self, keys) -> bool:
+        if not all(k in self.index for k in keys):
+            self.refresh()  # another process may have stored them since
+        return all(k in self.index for k in keys)
+
+    def append(self, key: str, raw: bytes, rows: int, *extra):
+        offset = self._data.tell()
+        self._data.write(raw)
+        self._data.flush()
+        self._index.write(json.dumps([key, offset, rows, *extra]) + "\n")
+        self._index.flush()
+        self.index[key] = (self._data_name, offset, rows, tuple(extra))
+
+    def read(self, key: str) -> tuple[bytes, int, tuple]:
+        name, offset, rows, extra = self.index[key]
+        fd = self._readers.get(name)
+        if fd is None:
+            self._data.flush()
+            fd = self._readers[name] = os.open(self.folder / name, os.O_RDONLY)
+        return os.pread(fd, self.nbytes(rows, extra), offset), rows, extra
+
+    def close(self):
+        self._data.close()
+        self._index.close()
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers = {}
+
+
 class FeatureCache:
+    """Per sample: the target's features at the captured layers (`get` / `put`) and, for soft
+    labels, its TEACHER_TOPK likeliest next tokens with their log-probabilities at every answer
+    position (`get_teacher` / `put_teacher`: files `teacher-NAME.bin`, `teacher-index-NAME.jsonl`)."""
+
     def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0, writer: str | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -73,37 +148,12 @@ class FeatureCache:
                                       "use an empty folder")
         else:
             path.write_text(json.dumps(meta, indent=2) + "\n")
-        self.index: dict[str, tuple[str, int, int]] = {}  # key -> (file name, byte offset, rows)
-        self._read_upto: dict[Path, int] = {}  # index file -> bytes of it read so far
-        self._refresh()
         name = writer or f"rank{rank}"
-        self._data_name = f"features-{name}.bin"
-        self._data = open(self.folder / self._data_name, "ab")
-        index = self.folder / f"index-{name}.jsonl"
-        torn = index.is_file() and index.stat().st_size and not index.read_bytes().endswith(b"\n")
-        self._index = open(index, "a")
-        if torn:  # a line cut short by a crash: the next ones start on their own line
-            self._index.write("\n")
-        self._readers: dict[str, int] = {}
+        self._features = _Store(self.folder, "features", "index", name, lambda rows, extra: rows * self.width * 2)
+        # teacher records: int32 ids [rows, k] then float16 log-probabilities [rows, k]; extra (start, k)
+        self._teacher = _Store(self.folder, "teacher", "teacher-index", name, lambda rows, extra: rows * extra[1] * 6)
+        self.index = self._features.index
         self.hits = self.misses = 0
-
-    def _refresh(self):
-        """Read the index lines written since the last look (other training processes' too)."""
-        for index in sorted(self.folder.glob("index-*.jsonl")):
-            data = index.name.replace("index-", "features-").replace(".jsonl", ".bin")
-            size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
-            with open(index, "rb") as f:
-                f.seek(self._read_upto.get(index, 0))
-                chunk = f.read()
-            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
-            self._read_upto[index] = self._read_upto.get(index, 0) + len(whole)
-            for line in whole.decode().splitlines():
-                try:
-                    key, offset, rows = json.loads(line)
-                except (ValueError, TypeError):
-                    continue  # a line torn by a crash
-                if offset + rows * self.width * 2 <= size:
-                    self.index[key] = (data, offset, rows)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -111,8 +161,7 @@ class FeatureCache:
     def get(self, keys: list[str], width: int, device, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
         """Features [len(keys), width, self.width] as `dtype` on `device` (zeros past each
         stored sequence and in the rows not cached), and the indices of the keys not cached."""
-        if not all(k in self.index for k in keys):
-            self._refresh()  # another process may have stored them since
+        self._features.has_all(keys)
         missing = [i for i, k in enumerate(keys) if k not in self.index]
         if missing:
             self.misses += 1
@@ -122,15 +171,41 @@ class FeatureCache:
         for row, key in enumerate(keys):
             if key not in self.index:
                 continue
-            name, offset, rows = self.index[key]
-            fd = self._readers.get(name)
-            if fd is None:
-                self._data.flush()
-                fd = self._readers[name] = os.open(self.folder / name, os.O_RDONLY)
-            raw = os.pread(fd, rows * self.width * 2, offset)
+            raw, rows, _ = self._features.read(key)
             rows = min(rows, width)
             out[row, :rows] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:rows]
         return out.to(device=device, dtype=dtype), missing
+
+    def get_teacher(self, keys: list[str], width: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """For soft labels: ids [len(keys), width, TEACHER_TOPK] (long; -1 where nothing is stored)
+        and log-probabilities [same] (float32) of the target's likeliest next tokens at each
+        position, and the indices of the keys with none stored."""
+        self._teacher.has_all(keys)
+        ids = torch.full((len(keys), width, TEACHER_TOPK), -1, dtype=torch.long)
+        logp = torch.zeros(len(keys), width, TEACHER_TOPK)
+        missing = []
+        for row, key in enumerate(keys):
+            if key not in self._teacher.index:
+                missing.append(row)
+                continue
+            raw, rows, (start, k) = self._teacher.read(key)
+            data = np.frombuffer(raw, dtype=np.uint8)
+            got_ids = torch.from_numpy(data[: rows * k * 4].view(np.int32).reshape(rows, k).astype(np.int64))
+            got_lp = torch.from_numpy(data[rows * k * 4:].view(np.float16).reshape(rows, k).astype(np.float32))
+            n, k = max(0, min(rows, width - start)), min(k, TEACHER_TOPK)
+            ids[row, start: start + n, :k] = got_ids[:n, :k]
+            logp[row, start: start + n, :k] = got_lp[:n, :k]
+        return ids.to(device), logp.to(device), missing
+
+    def put_teacher(self, key: str, ids: torch.Tensor, logp: torch.Tensor, start: int):
+        """Store one sample's top tokens ids [rows, k] and log-probabilities [rows, k] for positions
+        start..start+rows-1 (unless stored, or the disk would keep less than 1 GiB free)."""
+        rows, k = ids.shape
+        if key in self._teacher.index or not self.room(rows * k * 6):
+            return
+        raw = (ids.detach().cpu().to(torch.int32).numpy().tobytes()
+               + logp.detach().float().clamp(min=-FP16_MAX).cpu().half().numpy().tobytes())
+        self._teacher.append(key, raw, rows, int(start), k)
 
     def bytes_needed(self, sequences) -> int:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the cache."""
@@ -164,56 +239,81 @@ class FeatureCache:
             if bool((full[i, :rows].abs() > FP16_MAX).any()):
                 raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
                                       "train without the cache")
-            offset = self._data.tell()
-            self._data.write(full[i, :rows].half().numpy().tobytes())
-            self._data.flush()
-            self._index.write(json.dumps([key, offset, rows]) + "\n")
-            self.index[key] = (self._data_name, offset, rows)
-        self._index.flush()
+            self._features.append(key, full[i, :rows].half().numpy().tobytes(), rows)
 
     def close(self):
-        self._data.close()
-        self._index.close()
-        for fd in self._readers.values():
-            os.close(fd)
-        self._readers = {}
+        self._features.close()
+        self._teacher.close()
+
+
+def top_tokens(logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's `k` (default TEACHER_TOPK) likeliest next tokens [..., k] and their
+    log-probabilities [..., k] (float32) from its logits [..., V]: what soft labels are made of."""
+    k = min(k or TEACHER_TOPK, logits.shape[-1])
+    logp, ids = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return ids, logp
 
 
 class FeatureRecorder(Proposer):
     """Plain decoding (it proposes nothing) that keeps the target's features at `layers` for
-    every position of every row: `data regenerate --feature-cache` stores them with each answer
-    (`pop`), so that training need not run the target over those samples again.
+    every position of every row, and with `teacher` its TEACHER_TOPK likeliest next tokens at
+    every position it computed logits for (the prompt's last and every answer position):
+    `data regenerate --feature-cache` stores them with each answer (`pop`), so that
+    training need not run the target over those samples again, soft labels included.
 
-    The rows' features live in one float16 buffer [rows, max_len, width]; the decode loop writes
-    each forward's features at their positions (padding and frozen rows write junk past a row's
-    end, never read), reorders the rows with the loop, and hands over a row when its sequence
-    ends (`release`), before a later prefill can reuse the slot."""
+    The rows' features live in one float16 buffer [rows, max_len, width] (the top tokens in
+    [rows, max_len, k] buffers); the decode loop writes each forward's features at their positions
+    (padding and frozen rows write junk past a row's end, never read), reorders the rows with the
+    loop, and hands over a row when its sequence ends (`release`), before a later prefill can
+    reuse the slot."""
 
     name = "ar"
 
-    def __init__(self, layers, hidden_size: int):
+    def __init__(self, layers, hidden_size: int, teacher: bool = True):
         self.capture_layers = tuple(int(i) for i in layers)
         self.width = len(self.capture_layers) * hidden_size
+        self.teacher = teacher
         self.buf: torch.Tensor | None = None
-        self.ended: dict = {}  # request key -> its row's features [max_len, width]
+        self.top_ids: torch.Tensor | None = None
+        self.top_logp: torch.Tensor | None = None
+        self.ended: dict = {}  # request key -> its row's (features, top ids, top log-probabilities)
 
     def reset(self, batch, max_len):
         if self.buf is None or self.buf.shape[:2] != (batch, max_len):
             self.buf = torch.zeros(batch, max_len, self.width, dtype=torch.float16)
+            if self.teacher:
+                self.top_ids = torch.zeros(batch, max_len, TEACHER_TOPK, dtype=torch.int32)
+                self.top_logp = torch.zeros(batch, max_len, TEACHER_TOPK, dtype=torch.float16)
         self.ended = {}
 
-    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
-        view = self.buf[rows]  # a view: writes land in the buffer
+    @staticmethod
+    def _write(buf, values, positions, rows):
+        view = buf[rows]  # a view: writes land in the buffer
         at = positions.clamp(max=view.shape[1] - 1).cpu()
         # (indexed assignment: a float16 `scatter_` along the positions took ~1,000x longer on a CPU)
-        view[torch.arange(view.shape[0])[:, None], at] = features.detach().to("cpu", torch.float16)
+        view[torch.arange(view.shape[0])[:, None], at] = values.detach().to("cpu", buf.dtype)
+
+    def observe(self, tokens, features, positions, rows=slice(None), valid=None):
+        self._write(self.buf, features, positions, rows)
+
+    def observe_logits(self, logits, positions, rows=slice(None)):
+        if self.teacher:
+            ids, logp = top_tokens(logits)
+            self._write(self.top_ids, ids, positions, rows)
+            self._write(self.top_logp, logp.clamp(min=-FP16_MAX), positions, rows)
 
     def permute(self, order):
-        permute_rows_(self.buf, order, dim=0)
+        for buf in (self.buf, self.top_ids, self.top_logp):
+            if buf is not None:
+                permute_rows_(buf, order, dim=0)
 
     def release(self, row, key):
-        self.ended[key] = self.buf[row].clone()
+        self.ended[key] = (self.buf[row].clone(),
+                           None if self.top_ids is None else (self.top_ids[row].clone(), self.top_logp[row].clone()))
 
-    def pop(self, key, length: int) -> torch.Tensor:
-        """The first `length` positions' features [length, width] of the ended request `key`."""
-        return self.ended.pop(key)[:length]
+    def pop(self, key, length: int, start: int = 0):
+        """The ended request `key`'s features at its first `length` positions [length, width], and
+        its top tokens and their log-probabilities [length - start, k] at positions start..length-1
+        (None without `teacher`); forgets the request."""
+        features, top = self.ended.pop(key)
+        return features[:length], None if top is None else (top[0][start:length], top[1][start:length])

@@ -24,16 +24,23 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
     `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
-    not in it; such labels count as misses and carry no hard-label loss). `teacher` [same
-    shape as hidden]: the target's final hidden states that predict each label; with
-    `distill` > 0 the loss mixes in the cross-entropy against the target's distribution over
-    the scored vocabulary: (1 - distill) * hard + distill * soft. `markov`: (a Markov head, the
-    token before each position [same shape as labels]): its correction is added to the logits.
-    Returns (loss, per-offset correct counts, per-offset totals), all on the hidden states' device."""
+    not in it; such labels count as misses and carry no hard-label loss). `teacher`: (ids,
+    log-probabilities) [labels' shape + (k,)] of the target's likeliest tokens where it predicts
+    each label (ids -1: none); with `distill` > 0 the loss mixes in the cross-entropy against
+    that distribution, renormalized over those of its tokens the drafter scores: (1 - distill) *
+    hard + distill * soft. `markov`: (a Markov head, the token before each position [same shape
+    as labels]): its correction is added to the logits. Returns (loss, per-offset correct
+    counts, per-offset totals), all on the hidden states' device."""
     keep = labels != IGNORE
     h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
     head_bias, prev = (markov[0], markov[1][keep]) if markov is not None else (None, None)
-    t = teacher[keep] if teacher is not None and distill > 0 else None
+    t = None
+    if teacher is not None and distill > 0:
+        t_ids, t_logp = teacher[0][keep], teacher[1][keep]
+        if to_draft is not None:
+            t_ids = torch.where(t_ids >= 0, to_draft[t_ids.clamp(min=0)], t_ids)
+        probs = torch.softmax(t_logp.float().masked_fill(t_ids < 0, float("-inf")), -1).nan_to_num(0.0)
+        t = (t_ids.clamp(min=0), probs)
     w_hard = w
     if to_draft is not None:
         y = to_draft[y]
@@ -48,17 +55,16 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     for s in range(0, h.shape[0], chunk):
         part_slice = slice(s, s + chunk)
 
-        def part(hc, tc=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
+        def part(hc, t_ids=None, t_probs=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
             logits = F.linear(hc, lm_head_weight).float()
             if pc is not None:
                 logits = logits + head_bias(pc).float()
             ce = F.cross_entropy(logits, yc, reduction="none")
-            if tc is None:
+            if t_ids is None:
                 return ce, logits.argmax(-1)
-            soft = torch.softmax(F.linear(tc, lm_head_weight).float(), -1)
-            soft_ce = -(soft * torch.log_softmax(logits, -1)).sum(-1)
+            soft_ce = -(t_probs * torch.log_softmax(logits, -1).gather(1, t_ids)).sum(-1)
             return ce, logits.argmax(-1), soft_ce
-        args = (h[part_slice],) if t is None else (h[part_slice], t[part_slice])
+        args = (h[part_slice],) if t is None else (h[part_slice], t[0][part_slice], t[1][part_slice])
         if remat:
             out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
         else:

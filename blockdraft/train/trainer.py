@@ -40,7 +40,7 @@ from ..sequences import Request
 from .blocks import IGNORE, build_blocks
 from .config import TrainConfig, lr_at
 from .data import data_folders, iter_samples
-from .features import sequence_key
+from .features import FP16_MAX, TEACHER_TOPK, sequence_key, top_tokens
 from .init import init_from_target
 from .loss import accepted_lengths, frequent_tokens, previous_tokens, weighted_loss
 
@@ -122,9 +122,6 @@ class Trainer:
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
         self.features = None
         if cfg.feature_cache:
-            if cfg.distill > 0 and self.kind.soft_labels:
-                raise BlockdraftError("--feature-cache keeps only the context features; soft labels (--distill) "
-                                      "need the target's full forward every step")
             from .features import FeatureCache
 
             self.features = FeatureCache(cfg.feature_cache, self.target, self.drafter.config.target_layer_ids,
@@ -247,32 +244,59 @@ class Trainer:
         out["acc"] = [round(c / max(1, t), 4) for c, t in zip(correct, count)][1:]
         return out
 
-    def block_hidden(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def block_hidden(self, batch, labels: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The drafter's hidden states for every block of a batch, in one masked forward,
-        conditioned on the target's features captured under no-grad; and, with soft labels,
-        the target's final hidden state that predicts each block position (else None)."""
+        conditioned on the target's features captured under no-grad; and, with soft labels, the
+        target's TEACHER_TOPK likeliest tokens (ids, log-probabilities [N, A*B, k]) at the
+        position that predicts each block position (else, or without `labels`, None). With a
+        feature cache both are read back where stored, and computed (and stored, rounded as
+        stored) for the sequences that miss."""
         dev = self.device
         tokens = batch.tokens.to(dev)
         n, width = tokens.shape
         teacher = None
         with torch.no_grad():
             positions = torch.arange(width, device=dev).expand(n, -1)
-            soft = self.cfg.distill > 0 and self.kind.soft_labels
+            soft = labels and self.cfg.distill > 0 and self.kind.soft_labels
             layers = tuple(self.drafter.config.target_layer_ids)
+            lengths = batch.lengths.tolist()
+            keys = no_top = None
             if self.features is None:
-                final, features = self.target(tokens, positions, capture=layers, features_only=not soft)
+                compute, no_top = list(range(n)), list(range(n))
+                features = top_ids = top_logp = None
             else:  # read back what is cached; compute, store and round as stored the rest
-                lengths = batch.lengths.tolist()
                 keys = [sequence_key(batch.tokens[i, :lengths[i]].tolist()) for i in range(n)]
                 features, missing = self.features.get(keys, width, dev, self.dtype)
-                if missing:
-                    rows = torch.tensor(missing, device=dev)
-                    _, computed = self.target(tokens[rows], positions[rows], capture=layers, features_only=True)
-                    self.features.put([keys[i] for i in missing], computed, [lengths[i] for i in missing])
-                    features[rows] = computed.half().to(features.dtype)
-            if soft:  # position p + k is predicted by the target's state at p + k - 1
+                compute = missing
+                if soft:
+                    top_ids, top_logp, no_top = self.features.get_teacher(keys, width, dev)
+                    compute = sorted(set(compute) | set(no_top))
+            if soft and no_top is not None and features is None:
+                top_ids = torch.full((n, width, TEACHER_TOPK), -1, dtype=torch.long, device=dev)
+                top_logp = torch.zeros(n, width, TEACHER_TOPK, device=dev)
+            if compute:
+                full = soft and bool(no_top)  # the top tokens need the target's last layer and head
+                rows = torch.tensor(compute, device=dev)
+                final, computed = self.target(tokens[rows], positions[rows], capture=layers, features_only=not full)
+                if features is None:
+                    features = computed
+                elif missing:
+                    got = [compute.index(i) for i in missing]
+                    self.features.put([keys[i] for i in missing], computed[got], [lengths[i] for i in missing])
+                    features[torch.tensor(missing, device=dev)] = computed[got].half().to(features.dtype)
+                for j, i in enumerate(compute):
+                    if not soft or i not in no_top:
+                        continue
+                    start, stop = max(0, int(batch.starts[i]) - 1), lengths[i] - 1  # predicting the answer
+                    ids, logp = top_tokens(self.target.logits(final[j, start:stop]))
+                    logp = logp.clamp(min=-FP16_MAX).half().float()  # as the cache stores it
+                    top_ids[i, start:stop, :ids.shape[-1]], top_logp[i, start:stop, :ids.shape[-1]] = ids, logp
+                    if keys is not None:
+                        self.features.put_teacher(keys[i], ids, logp, start)
+            if soft:  # position p + k is predicted by the target at p + k - 1
                 before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
-                teacher = final[torch.arange(n, device=dev)[:, None], before]
+                at = torch.arange(n, device=dev)[:, None]
+                teacher = (top_ids[at, before], top_logp[at, before])
         return self.kind.train_hidden(self.model, self.target, batch, tokens, features, positions), teacher
 
     # ---- evaluation ------------------------------------------------------------------
@@ -324,7 +348,7 @@ class Trainer:
                                  gamma=self.gamma,
                                  generator=gen)
             with self.autocast:
-                hidden, _ = self.block_hidden(batch)
+                hidden, _ = self.block_hidden(batch, labels=False)
             labels = batch.labels.to(dev)
             if self.to_draft is not None:
                 labels = torch.where(labels >= 0, self.to_draft[labels.clamp(min=0)], labels)
