@@ -143,7 +143,8 @@ def register(sub, methods) -> None:
                    help="answer folders whose answers count as kept: an id answered there is skipped, a new answer "
                         "identical to one there for its prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
     r.add_argument("--feature-cache", metavar="DIR",
-                   help="also store the target's features of every answer in this training feature cache "
+                   help="also store the target's features of every answer, and its 32 likeliest next tokens at "
+                        "every answer position (soft labels, `train --distill`), in this training feature cache "
                         "(`train --feature-cache DIR`), so that training skips the target for these samples; "
                         "~1 MiB a sample, until the disk would keep under 2 GiB free")
     r.add_argument("--feature-layers", metavar="IDS",

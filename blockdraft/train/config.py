@@ -50,7 +50,8 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "gradient norm clipping (0: none)")
     markov_rank: int = _opt(0, ">0: a DSpark-style Markov head of this rank on the DFlash drafter (each draft "
                                "position's logits corrected by the token before it; 256 in DSpark)")
-    distill: float = _opt(0.0, "weight of the soft-label loss (the target's own distribution); 0: hard labels only")
+    distill: float = _opt(0.0, "weight of the soft-label loss (the target's own distribution, its top 32 tokens "
+                               "renormalized; kept in --feature-cache); 0: hard labels only")
     dtype: str = _opt("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
     init_from: str | None = _opt(None, "start from this drafter folder's weights (e.g. the shipped drafter); "
                                        "its shapes must match the other settings")
@@ -67,8 +68,8 @@ class TrainConfig:
     limit_samples: int | None = _opt(None, "train on the first N training samples only")
     folder_samples: list[int] | None = _opt(None, "train on the first N training samples of each --data folder "
                                                   "only, one count per folder (--epochs sets it)")
-    feature_cache: str | None = _opt(None, "folder: the target's features kept on disk across epochs "
-                                           "(pays from the second epoch)")
+    feature_cache: str | None = _opt(None, "folder: the target's features (and, with --distill, its top tokens) "
+                                           "kept on disk across epochs (pays from the second epoch)")
     extra: dict = field(default_factory=dict)
 
 
