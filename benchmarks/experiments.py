@@ -281,6 +281,16 @@ def from_shipped(args) -> dict:
             "eval_max_new_tokens": args.eval_max_new_tokens, "save_every": 25, "log_every": 5, "seed": args.seed}
 
 
+def write_folder(folder: Path, samples: list[dict]):
+    """An experiment's own data folder holding `samples`, written once (kept as it is if it exists)."""
+    if not folder.is_dir():
+        folder.mkdir(parents=True)
+        writer = ShardWriter(folder)
+        for s in samples:
+            writer.write(s)
+        writer.close()
+
+
 def sampling_data(sources: dict[str, str], out: Path) -> dict[str, dict]:
     """One folder per source holding its training answers to the prompts that EVERY source
     answers (so the branches differ only in the answers), plus the first source's held-out
@@ -293,12 +303,7 @@ def sampling_data(sources: dict[str, str], out: Path) -> dict[str, dict]:
     for name, rows in train.items():
         folder = out / name
         kept = [s for s in rows if prompt_of(s["id"]) in common]
-        if not folder.is_dir():
-            folder.mkdir(parents=True)
-            writer = ShardWriter(folder)
-            for s in kept + valid:
-                writer.write(s)
-            writer.close()
+        write_folder(folder, kept + valid)
         info[name] = {"folder": str(folder), "source": sources[name], "prompts": len(common),
                       "train_samples": len(kept), "valid_samples": len(valid),
                       "answer_tokens": sum(len(s["answer_ids"]) for s in kept),
@@ -432,12 +437,7 @@ def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
     valid = [s for s in rows if s["split"] == "valid"]
     if len(train) < samples:
         raise SystemExit(f"labels: {source} has {len(train)} training samples from {offset}, not {samples}")
-    if not out.is_dir():
-        out.mkdir(parents=True)
-        writer = ShardWriter(out)
-        for s in train + valid:
-            writer.write(s)
-        writer.close()
+    write_folder(out, train + valid)
     return {"folder": str(out), "source": source, "offset": offset, "train_samples": len(train),
             "valid_samples": len(valid), "answer_tokens": sum(len(s["answer_ids"]) for s in train),
             "temperature": train[0].get("temperature", 0.0)}
