@@ -810,6 +810,16 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
     trainer.features.close()
     assert (cache / "features-rank0.bin").stat().st_size == need_run
     assert FeatureCache(cache, target, [3]).bytes_needed(everything) == need_all - need_run
+    # with soft labels the answers' top tokens are counted and stored too
+    soft = Trainer(tiny_config(root, tmp_path / "soft", max_steps=2, feature_cache=str(tmp_path / "soft-cache"),
+                               distill=0.5))
+    order = soft.epoch_order(0)[:8]
+    need_soft = soft.features.bytes_needed([soft.samples[i][0] for i in order], [soft.samples[i][1] for i in order])
+    assert need_soft > need_run
+    soft.run()
+    soft.features.close()
+    assert sum((tmp_path / "soft-cache" / f).stat().st_size for f in ("features-rank0.bin", "teacher-rank0.bin")) \
+        == need_soft
     # a disk with room for about half of a 2-step run's features beyond the 1 GiB kept free
     small = tmp_path / "small"
     usage = shutil.disk_usage(tmp_path)

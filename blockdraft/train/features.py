@@ -207,16 +207,22 @@ class FeatureCache:
                + logp.detach().float().clamp(min=-FP16_MAX).cpu().half().numpy().tobytes())
         self._teacher.append(key, raw, rows, int(start), k)
 
-    def bytes_needed(self, sequences) -> int:
-        """What storing the features of `sequences` (token id lists) not cached yet adds to the cache."""
-        return sum(len(seq) for seq in sequences if sequence_key(seq) not in self.index) * self.width * 2
+    def bytes_needed(self, sequences, answer_starts=None) -> int:
+        """What storing the features of `sequences` (token id lists) not cached yet adds to the
+        cache, and with `answer_starts` (soft labels) the top tokens of their answers not stored yet."""
+        keys = [sequence_key(seq) for seq in sequences]
+        need = sum(len(seq) for seq, key in zip(sequences, keys) if key not in self.index) * self.width * 2
+        if answer_starts is not None:
+            need += sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
+                        if key not in self._teacher.index) * TEACHER_TOPK * 6
+        return need
 
-    def check_space(self, sequences, reserve: int = 2**30) -> str | None:
+    def check_space(self, sequences, reserve: int = 2**30, answer_starts=None) -> str | None:
         """Said before a run, not found out hours into it: None when the features of `sequences`
-        not cached yet fit on the cache's disk with `reserve` bytes left free, else what happens
-        instead (`put` stores them until the disk would keep only `reserve`; the rest are
-        computed every time)."""
-        need, free = self.bytes_needed(sequences), shutil.disk_usage(self.folder).free
+        not cached yet (and with `answer_starts` their top tokens) fit on the cache's disk with
+        `reserve` bytes left free, else what happens instead (`put` stores them until the disk
+        would keep only `reserve`; the rest are computed every time)."""
+        need, free = self.bytes_needed(sequences, answer_starts), shutil.disk_usage(self.folder).free
         if need <= free - reserve:
             return None
         return (f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
