@@ -443,27 +443,44 @@ def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
             "temperature": train[0].get("temperature", 0.0)}
 
 
-def cmd_labels(args):
-    """Hard labels (the answer's own tokens) against soft labels (the target's distribution at
-    each block position, `--distill`) at equal steps: the epoch curve's recipe from scratch on the
-    same samples in the same order, measured on the same held-out prompts (decode loop) and
-    answers (teacher-forced). On sampled answers a hard label is often not the target's most
-    likely token (17% of a1's at T 0.7: benchmarks/label_agreement.py), which is what greedy
-    verification accepts; a soft label is the distribution the token was drawn from (its top
-    TEACHER_TOPK tokens)."""
+def slice_runs(args, kind: str, variants: list[tuple[str, dict, dict]]):
+    """One run per variant (name, TrainConfig overrides, recorded fields) of the epoch curve's recipe
+    from scratch on the same slice of --data (`labels_data`), at equal steps (--epochs), each
+    measured on the same held-out prompts and answers."""
     name = f"{Path(args.data).name}-{args.offset}-{args.samples}"
     info = labels_data(args.data, args.offset, args.samples, RUNS / f"labels-data-{name}")
     steps = args.epochs * math.ceil(args.samples / EPOCH_RECIPES[args.arch]["batch_size"])
-    for distill in args.distill:
-        key = f"labels/{args.arch}/{name}/distill-{distill:g}"
+    for variant, overrides, extra in variants:
+        key = f"{kind}/{args.arch}/{name}/{variant}"
         if key in done_runs():
             continue
         settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
-                    "dtype": args.dtype, "distill": distill, "feature_cache": args.feature_cache}
-        cfg = TrainConfig(out=str(RUNS / f"labels-{args.arch}-{name}-{distill:g}"), max_steps=steps,
+                    "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}
+        cfg = TrainConfig(out=str(RUNS / f"{kind}-{args.arch}-{name}-{variant}"), max_steps=steps,
                           **{**common(args), "data": info["folder"]}, **settings)
-        run(key, cfg, {"kind": "labels", "arch": args.arch, "distill": distill, "epochs": args.epochs,
-                       "teacher_topk": TEACHER_TOPK, **info})
+        run(key, cfg, {"kind": kind, "arch": args.arch, "epochs": args.epochs, **extra, **info})
+
+
+def cmd_labels(args):
+    """Hard labels (the answer's own tokens) against soft labels (the target's distribution at
+    each block position, `--distill`) at equal steps (`slice_runs`). On sampled answers a hard
+    label is often not the target's most likely token (17% of a1's at T 0.7:
+    benchmarks/label_agreement.py), which is what greedy verification accepts; a soft label is the
+    distribution the token was drawn from (its top TEACHER_TOPK tokens)."""
+    slice_runs(args, "labels", [(f"distill-{d:g}", {"distill": d}, {"distill": d, "teacher_topk": TEACHER_TOPK})
+                                for d in args.distill])
+
+
+def cmd_features(args):
+    """The target's features as the trainer reads them from a float16 cache against an int8 one
+    (`--feature-dtype int8`: half the disk), at equal steps with hard labels (`slice_runs`). Each
+    --caches DTYPE=FOLDER must already hold the slice's features in that dtype
+    (tools/convert_feature_cache.py copies a float16 cache's records into an int8 one)."""
+    variants = []
+    for spec in args.caches:
+        dtype, folder = spec.split("=", 1)
+        variants.append((dtype, {"feature_cache": folder, "feature_dtype": dtype}, {"feature_dtype": dtype}))
+    slice_runs(args, "features", variants)
 
 
 def cmd_blocks(args):
@@ -545,7 +562,8 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "labels", "blocks", "table"):
+    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "labels", "features",
+                 "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -592,20 +610,24 @@ def main():
     e.add_argument("--warmup-steps", type=int, default=25)
     e.add_argument("--feature-cache", default=None, help="default: runs/feature-cache-ARCH")
     e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
-    lb = sub.choices["labels"]
-    lb.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dspark")
-    lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
-    lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
-    lb.add_argument("--epochs", type=int, default=1)
-    lb.add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
-                    help="one run per weight of the soft labels (0: hard labels only)")
-    lb.add_argument("--warmup-steps", type=int, default=25)
-    lb.add_argument("--feature-cache", default=None, help="features (and the target's top tokens) kept across runs")
-    lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    for name in ("labels", "features"):
+        lb = sub.choices[name]
+        lb.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dspark")
+        lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
+        lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
+        lb.add_argument("--epochs", type=int, default=1)
+        lb.add_argument("--warmup-steps", type=int, default=25)
+        lb.add_argument("--feature-cache", default=None, help="features (and the target's top tokens) kept across runs")
+        lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    sub.choices["labels"].add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
+                                       help="one run per weight of the soft labels (0: hard labels only)")
+    sub.choices["features"].add_argument("--caches", nargs="+", required=True, metavar="DTYPE=FOLDER",
+                                         help="one run per feature cache, e.g. float16=runs/feature-cache "
+                                              "int8=runs/feature-cache-int8")
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
     {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
-     "context": cmd_context, "epochs": cmd_epochs, "labels": cmd_labels,
+     "context": cmd_context, "epochs": cmd_epochs, "labels": cmd_labels, "features": cmd_features,
      "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 

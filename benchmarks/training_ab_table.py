@@ -1,6 +1,6 @@
 """The training A/B tables of docs/training.md from data/train-logs/experiments.jsonl: sampled vs
-greedy answers, a Markov head vs plain DFlash, the training context, the epoch curve, and hard
-vs soft labels (one row per finished run).
+greedy answers, a Markov head vs plain DFlash, the training context, the epoch curve, hard vs
+soft labels, and float16 vs int8 cached features (one row per finished run).
 
     .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md \
         --plot docs/epoch_curve.png
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
 KINDS = {"sampling": "answers", "markov": "drafter", "context": "sequences", "epochs": "arch, epochs",
-         "labels": "labels, data"}
+         "labels": "labels, data", "features": "features as read, data"}
 
 
 def _f(x, digits=3):
@@ -45,6 +45,10 @@ def describe(r: dict) -> str:
         answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
         return (f"{labels}; {r['arch']} from scratch, {r['epochs']} epoch of {r['train_samples']} {answers} answers "
                 f"({Path(r['source']).name} from {r['offset']})")
+    if kind == "features":
+        answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
+        return (f"{r['feature_dtype']} cache; {r['arch']} from scratch, hard labels, {r['epochs']} epoch of "
+                f"{r['train_samples']} {answers} answers ({Path(r['source']).name} from {r['offset']})")
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
 
 

@@ -960,3 +960,45 @@ def test_a_markov_head_trains_warm_starts_from_a_plain_drafter_and_saves_round_t
     assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
     blocks = trainer.evaluate_blocks(16)
     assert abs(blocks["tau_blocks"] - tau) < 0.3, (blocks, tau)
+
+
+def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, tmp_path):
+    """`--feature-dtype int8`: per position and captured layer, values / (absmax / 127) rounded, so
+    an outlier (the target's massive activations) coarsens only its own layer; a run that fills an
+    int8 cache and one that reads it back train bit for bit alike; the records take 1 byte a value
+    plus a float32 scale per position and layer; a float16 folder keeps its records readable."""
+    from blockdraft.train.features import FeatureCache, dequantize, quantize, sequence_key
+
+    root, target, prompts, answers = tiny_corpus
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3 * 64, generator=g)
+    x[2, 70] = 25000.0  # a massive activation in the second layer
+    q, scales = quantize(x, 64)
+    back = dequantize(q, scales)
+    assert q.dtype == torch.int8 and q.shape == x.shape and scales.shape == (5, 3)
+    assert bool(((back - x).abs() <= scales.repeat_interleave(64, -1) / 2 * (1 + 1e-6)).all())
+    assert float((back[2, :64] - x[2, :64]).abs().max()) < 0.02 and float((back[2, 64:128] - x[2, 64:128]).abs().max()) > 1
+    runs = []
+    for name in ("fill", "read"):
+        trainer = Trainer(tiny_config(root, tmp_path / name, max_steps=4, feature_cache=str(tmp_path / "cache"),
+                                      feature_dtype="int8"))
+        trainer.run()
+        trainer.features.close()
+        runs.append(trainer)
+    assert runs[1].features.misses == 0 and runs[1].features.hits >= 4
+    a, b = runs[0].drafter.state_dict(), runs[1].drafter.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    fp16 = Trainer(tiny_config(root, tmp_path / "fp16", max_steps=4, feature_cache=str(tmp_path / "fp16-cache")))
+    fp16.run()
+    fp16.features.close()
+    int8_bytes = (tmp_path / "cache" / "features-rank0.bin").stat().st_size
+    fp16_bytes = (tmp_path / "fp16-cache" / "features-rank0.bin").stat().st_size
+    assert int8_bytes * 128 == fp16_bytes * (64 + 4)  # width 64: 2 bytes a value against 1 + a 4-byte scale
+    mixed = FeatureCache(tmp_path / "fp16-cache", target, [3], dtype="int8")
+    seq = fp16.samples[fp16.epoch_order(0)[0]][0]
+    old, _ = mixed.get([sequence_key(seq)], len(seq), "cpu")
+    mixed.put([sequence_key([7, 8, 9])], torch.randn(1, 3, 64), [3])
+    new, missing = mixed.get([sequence_key([7, 8, 9]), sequence_key(seq)], len(seq), "cpu")
+    assert missing == [] and torch.equal(new[1], old[0])  # the float16 record, read as before
+    assert mixed.dtype == "int8" and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16"
+    mixed.close()

@@ -6,8 +6,9 @@
 # answer index 1, beside the greedy answer 0, an answer equal to it dropped; ids answered in the
 # earlier sampled folders skipped) to the built-in prompt mix, into data/regen/smollm2-135m-instruct-a1
 # (a folder of its own, so that the fixed --limit-samples sets of earlier runs stay what they were).
-# Every answer's target features go to the training feature cache runs/feature-cache (the shipped
-# drafter's layers), so that training later skips the target for these samples; set FEATURES= to skip.
+# Every answer's target features (int8, with the soft labels' top tokens) go to the training feature
+# cache runs/feature-cache (the shipped drafter's layers), so that training later skips the target
+# for these samples; set FEATURES= to skip.
 # Every step resumes where a stopped run left off and never answers a prompt twice, so the job can be
 # stopped at any time (Ctrl-C) and started again.
 #
@@ -27,7 +28,7 @@ prompts=data/prompts/smollm2-135m-instruct
 regen=data/regen/smollm2-135m-instruct
 cache=${FEATURES-runs/feature-cache}
 features=()
-if [[ -n $cache ]]; then features=(--feature-cache "$cache"); fi
+if [[ -n $cache ]]; then features=(--feature-cache "$cache" --feature-dtype int8); fi
 
 kept() {  # prompts already kept in a domain's folder
     local dir=$prompts/synth-$1

@@ -6,7 +6,7 @@
 # top-32 distribution at each position, which never lost to hard labels in the `labels` A/Bs). The
 # samples and steps are fixed when the run starts (--epochs); the target's features and top tokens
 # come from runs/feature-cache (what `data regenerate --feature-cache` stored while answering; the
-# rest are computed and stored on the first epoch).
+# rest are computed and stored, as int8, on the first epoch).
 # Resumable from any point: the first call starts the run, every later one continues it, on this
 # machine from runs/NAME/checkpoint (with the optimizer state), on a fresh one from the committed
 # position data/train-logs/positions/NAME (commit that folder, never runs/).
@@ -20,7 +20,7 @@ epochs=${1:-3}
 name=${NAME:-dspark-e$epochs}
 bd=.venv/bin/blockdraft
 pos=data/train-logs/positions/$name
-common=(--out "runs/$name" --position-dir "$pos" --feature-cache runs/feature-cache)
+common=(--out "runs/$name" --position-dir "$pos" --feature-cache runs/feature-cache --feature-dtype int8)
 if [[ -f $pos/state.json ]]; then
     exec $bd train --resume-from "$pos" "${common[@]}"
 fi

@@ -40,7 +40,8 @@ def cmd_data_regenerate(args) -> int:
     if args.feature_cache:
         from ..train.features import FeatureCache
 
-        cache = FeatureCache(args.feature_cache, source.target, feature_layers(args, source), writer="regen")
+        cache = FeatureCache(args.feature_cache, source.target, feature_layers(args, source), writer="regen",
+                             dtype=args.feature_dtype)
     sampling = AnswerSampling(args.temperature, args.top_p, args.top_k)
     sources = None
     if args.prompts:
@@ -146,7 +147,10 @@ def register(sub, methods) -> None:
                    help="also store the target's features of every answer, and its 32 likeliest next tokens at "
                         "every answer position (soft labels, `train --distill`), in this training feature cache "
                         "(`train --feature-cache DIR`), so that training skips the target for these samples; "
-                        "~1 MiB a sample, until the disk would keep under 2 GiB free")
+                        "~1 MiB a sample in float16 (half in int8), until the disk would keep under 2 GiB free")
+    r.add_argument("--feature-dtype", choices=["float16", "int8"],
+                   help="--feature-cache: how the features are stored (int8: half the disk, a scale per position "
+                        "and layer; default: the cache folder's own, float16 for a new one)")
     r.add_argument("--feature-layers", metavar="IDS",
                    help="--feature-cache: the target layers to record, e.g. 1,14,27 (default: the cache's own, "
                         "else those of --draft or of the drafter shipped for the default target)")

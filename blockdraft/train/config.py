@@ -70,6 +70,9 @@ class TrainConfig:
                                                   "only, one count per folder (--epochs sets it)")
     feature_cache: str | None = _opt(None, "folder: the target's features (and, with --distill, its top tokens) "
                                            "kept on disk across epochs (pays from the second epoch)")
+    feature_dtype: str | None = _opt(None, "how --feature-cache stores the features this run computes: float16 or "
+                                           "int8 (half the disk; a scale per position and layer); default: the "
+                                           "cache folder's own (float16 for a new one)")
     extra: dict = field(default_factory=dict)
 
 

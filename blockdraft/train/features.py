@@ -3,13 +3,15 @@
 A training step spends most of its time in the frozen target's forward (on the default target
 on a 2-core CPU, 70% of a DFlash step and 82% of an EAGLE-3 step; README, "Training"), and that
 forward gives the same features for a sample every epoch. With a cache, the first time a sample is trained on its features (the captured
-layers, concatenated) are written to disk in float16; later steps read them back instead. The
-drafter always trains on the float16-rounded features, computed or read, so a run trains the
-same way whether the cache was empty or full.
+layers, concatenated) are written to disk in float16, or in int8 with a float32 scale per
+position and layer (`--feature-dtype int8`: half the disk); later steps read them back instead.
+The drafter always trains on the rounded features as stored, computed or read, so a run trains
+the same way whether the cache was empty or full.
 
 Layout of a cache folder: `meta.json` (the target's fingerprint, the captured layers, the
-feature width), and per writer (training process R: `rankR`; `data regenerate`: `regen`)
-`features-NAME.bin` (float16 rows appended) with `index-NAME.jsonl` (one line per sample: its
+feature width, the default dtype), and per writer (training process R: `rankR`; `data
+regenerate`: `regen`) `features-NAME.bin` (records appended: float16 rows, or int8 rows then
+their scales, the index line saying "int8") with `index-NAME.jsonl` (one line per sample: its
 key, byte offset, row count; a line is written only once its rows are on disk; a process that
 misses a sample first reads the lines the others wrote since, so under DDP each sample is
 computed once). A sample's key is a hash of its token ids, so the cache serves any data folders,
@@ -56,6 +58,25 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()
 
 
+FEATURE_DTYPES = ("float16", "int8")
+
+
+def quantize(features: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 features [..., width] and a float32 scale per position and captured layer [..., width
+    / hidden]: each layer's values at a position divided by its largest magnitude / 127, rounded
+    (the target's massive activations, up to ~25,000 on the default target, stay in their own
+    layer's scale)."""
+    x = features.detach().float().unflatten(-1, (-1, hidden))
+    scales = x.abs().amax(-1).clamp(min=1e-30) / 127.0
+    q = torch.round(x / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.flatten(-2), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 features from `quantize`'s int8 values and scales."""
+    return (q.float().unflatten(-1, (scales.shape[-1], -1)) * scales[..., None]).flatten(-2)
+
+
 TEACHER_TOPK = 32  # the target's likeliest tokens kept per position for soft labels (on the default
 # target's answers they hold 94-96% of its probability, 91-94% at 16: benchmarks/label_agreement.py)
 
@@ -66,11 +87,15 @@ class _Store:
     once its bytes are on disk. `nbytes(rows, extra)`: a record's size. Reads the lines other
     processes append (`refresh`), skips a line torn by a crash."""
 
-    def __init__(self, folder: Path, data: str, index: str, writer: str, nbytes):
+    def __init__(self, folder: Path, data: str, index: str, writer: str | None, nbytes):
         self.folder, self._data_prefix, self._index_prefix, self.nbytes = folder, data, index, nbytes
         self.index: dict[str, tuple] = {}  # key -> (data file name, byte offset, rows, extra)
         self._read_upto: dict[Path, int] = {}  # index file -> bytes of it read so far
         self.refresh()
+        self._readers: dict[str, int] = {}
+        self._data = self._index = None
+        if writer is None:  # read only
+            return
         self._data_name = f"{data}-{writer}.bin"
         self._data = open(folder / self._data_name, "ab")
         path = folder / f"{index}-{writer}.jsonl"
@@ -78,7 +103,6 @@ class _Store:
         self._index = open(path, "a")
         if torn:  # a line cut short by a crash: the next ones start on their own line
             self._index.write("\n")
-        self._readers: dict[str, int] = {}
 
     def refresh(self):
         """Read the index lines written since the last look (other processes' too)."""
@@ -115,13 +139,15 @@ class _Store:
         name, offset, rows, extra = self.index[key]
         fd = self._readers.get(name)
         if fd is None:
-            self._data.flush()
+            if self._data is not None:
+                self._data.flush()
             fd = self._readers[name] = os.open(self.folder / name, os.O_RDONLY)
         return os.pread(fd, self.nbytes(rows, extra), offset), rows, extra
 
     def close(self):
-        self._data.close()
-        self._index.close()
+        for f in (self._data, self._index):
+            if f is not None:
+                f.close()
         for fd in self._readers.values():
             os.close(fd)
         self._readers = {}
@@ -132,24 +158,33 @@ class FeatureCache:
     labels, its TEACHER_TOPK likeliest next tokens with their log-probabilities at every answer
     position (`get_teacher` / `put_teacher`: files `teacher-NAME.bin`, `teacher-index-NAME.jsonl`)."""
 
-    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0, writer: str | None = None):
+    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0, writer: str | None = None,
+                 dtype: str | None = None, readonly: bool = False):
+        """`dtype`: how this process stores features, "float16" or "int8" (FEATURE_DTYPES); default:
+        the folder's (`meta.json`, float16 for a new one). A folder holds records of both.
+        `readonly`: it reads the folder and never writes to it."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.layers = tuple(int(i) for i in layer_ids)
-        self.width = len(layer_ids) * target.config.hidden_size
+        self.hidden = target.config.hidden_size
+        self.width = len(layer_ids) * self.hidden
+        if dtype is not None and dtype not in FEATURE_DTYPES:
+            raise BlockdraftError(f"--feature-dtype must be one of {', '.join(FEATURE_DTYPES)}, not {dtype!r}")
         meta = {"format": 1, "target": target_fingerprint(target), "layers": [int(i) for i in layer_ids],
-                "width": self.width, "dtype": "float16"}
+                "width": self.width, "dtype": dtype or "float16"}
         path = self.folder / "meta.json"
         if path.is_file():
             have = json.loads(path.read_text())
-            if have != meta:
-                what = [k for k in meta if have.get(k) != meta[k]]
+            what = [k for k in meta if k != "dtype" and have.get(k) != meta[k]]
+            if what:
                 raise BlockdraftError(f"--feature-cache {self.folder}: made for another {' and '.join(what)}; "
                                       "use an empty folder")
+            meta["dtype"] = dtype or have.get("dtype", "float16")
         else:
             path.write_text(json.dumps(meta, indent=2) + "\n")
-        name = writer or f"rank{rank}"
-        self._features = _Store(self.folder, "features", "index", name, lambda rows, extra: rows * self.width * 2)
+        self.dtype = meta["dtype"]
+        name = None if readonly else writer or f"rank{rank}"
+        self._features = _Store(self.folder, "features", "index", name, self._record_bytes)
         # teacher records: int32 ids [rows, k] then float16 log-probabilities [rows, k]; extra (start, k)
         self._teacher = _Store(self.folder, "teacher", "teacher-index", name, lambda rows, extra: rows * extra[1] * 6)
         self.index = self._features.index
@@ -167,14 +202,32 @@ class FeatureCache:
             self.misses += 1
         else:
             self.hits += 1
-        out = torch.zeros(len(keys), width, self.width, dtype=torch.float16)
+        out = torch.zeros(len(keys), width, self.width)
         for row, key in enumerate(keys):
             if key not in self.index:
                 continue
-            raw, rows, _ = self._features.read(key)
-            rows = min(rows, width)
-            out[row, :rows] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:rows]
+            raw, rows, extra = self._features.read(key)
+            n = min(rows, width)
+            if extra[:1] == ("int8",):
+                data = np.frombuffer(raw, dtype=np.uint8)
+                q = torch.from_numpy(data[: rows * self.width].view(np.int8).reshape(rows, self.width)[:n].copy())
+                scales = torch.from_numpy(data[rows * self.width:].view(np.float32).reshape(rows, -1)[:n].copy())
+                out[row, :n] = dequantize(q, scales)
+            else:
+                out[row, :n] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:n].float()
         return out.to(device=device, dtype=dtype), missing
+
+    def _record_bytes(self, rows: int, extra) -> int:
+        if tuple(extra)[:1] == ("int8",):  # int8 values, then a float32 scale per position and layer
+            return rows * (self.width + 4 * len(self.layers))
+        return rows * self.width * 2
+
+    def round(self, features: torch.Tensor) -> torch.Tensor:
+        """`features` as this process stores them and reads them back (float32): what training
+        uses for computed features too, so that a run trains the same whether they were cached."""
+        if self.dtype == "int8":
+            return dequantize(*quantize(features, self.hidden))
+        return features.detach().half().float()
 
     def get_teacher(self, keys: list[str], width: int, device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """For soft labels: ids [len(keys), width, TEACHER_TOPK] (long; -1 where nothing is stored)
@@ -211,7 +264,8 @@ class FeatureCache:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the
         cache, and with `answer_starts` (soft labels) the top tokens of their answers not stored yet."""
         keys = [sequence_key(seq) for seq in sequences]
-        need = sum(len(seq) for seq, key in zip(sequences, keys) if key not in self.index) * self.width * 2
+        extra = ("int8",) if self.dtype == "int8" else ()
+        need = sum(self._record_bytes(len(seq), extra) for seq, key in zip(sequences, keys) if key not in self.index)
         if answer_starts is not None:
             need += sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
                         if key not in self._teacher.index) * TEACHER_TOPK * 6
@@ -234,17 +288,22 @@ class FeatureCache:
         return shutil.disk_usage(self.folder).free - nbytes > reserve
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
-        """Store each row's first `lengths[i]` feature rows (float16) unless its key is cached, or
-        the disk would keep less than 1 GiB free."""
+        """Store each row's first `lengths[i]` feature rows (in `self.dtype`) unless its key is
+        cached, or the disk would keep less than 1 GiB free."""
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
-        if not new or not self.room(sum(int(lengths[i]) for i, _ in new) * self.width * 2):
+        extra = ("int8",) if self.dtype == "int8" else ()
+        if not new or not self.room(sum(self._record_bytes(int(lengths[i]), extra) for i, _ in new)):
             return  # (a full disk: these stay uncached, computed again when next needed)
         full = features.detach().float().cpu()
         for i, key in new:
             rows = int(lengths[i])
+            if extra:
+                q, scales = quantize(full[i, :rows], self.hidden)
+                self._features.append(key, q.numpy().tobytes() + scales.numpy().tobytes(), rows, *extra)
+                continue
             if bool((full[i, :rows].abs() > FP16_MAX).any()):
                 raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
-                                      "train without the cache")
+                                      "train without the cache (or with --feature-dtype int8)")
             self._features.append(key, full[i, :rows].half().numpy().tobytes(), rows)
 
     def close(self):

@@ -125,7 +125,7 @@ class Trainer:
             from .features import FeatureCache
 
             self.features = FeatureCache(cfg.feature_cache, self.target, self.drafter.config.target_layer_ids,
-                                         self.rank)
+                                         self.rank, dtype=cfg.feature_dtype)
             # the samples this run will see (all of them from its second epoch on)
             seen = min(len(self.samples), cfg.max_steps * cfg.batch_size * self.world)
             order = range(len(self.samples)) if seen == len(self.samples) else self.epoch_order(0)[:seen]
@@ -285,7 +285,7 @@ class Trainer:
                 elif missing:
                     got = [compute.index(i) for i in missing]
                     self.features.put([keys[i] for i in missing], computed[got], [lengths[i] for i in missing])
-                    features[torch.tensor(missing, device=dev)] = computed[got].half().to(features.dtype)
+                    features[torch.tensor(missing, device=dev)] = self.features.round(computed[got]).to(features)
                 for j, i in enumerate(compute):
                     if not soft or i not in no_top:
                         continue
@@ -378,7 +378,8 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------
 
-    SKIP_ON_RESUME = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache")  # may change
+    SKIP_ON_RESUME = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache",
+                      "feature_dtype")  # may change
 
     def write_position(self, folder: Path, dtype: torch.dtype | None = None):
         """The drafter's weights (in `dtype`, default their own) and where the run stands (step,
