@@ -1002,3 +1002,36 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
     assert missing == [] and torch.equal(new[1], old[0])  # the float16 record, read as before
     assert mixed.dtype == "int8" and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16"
     mixed.close()
+
+
+def test_convert_feature_cache_copies_every_record_as_int8(tiny_corpus, tmp_path):
+    """tools/convert_feature_cache.py: every record of a float16 cache (features and soft labels'
+    top tokens) lands in the int8 one as `round` stores it, a rerun copies nothing, and the source
+    folder is only read."""
+    import importlib.util
+
+    from blockdraft.train.features import FeatureCache
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_feature_cache", Path(__file__).resolve().parent.parent / "tools" / "convert_feature_cache.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root, target, prompts, answers = tiny_corpus
+    trainer = Trainer(tiny_config(root, tmp_path / "run", max_steps=2, feature_cache=str(tmp_path / "src"),
+                                  distill=0.5))
+    trainer.run()
+    trainer.features.close()
+    before = sorted(p.name for p in (tmp_path / "src").iterdir())
+    src = FeatureCache(tmp_path / "src", target, [3], readonly=True)
+    dst = FeatureCache(tmp_path / "dst", target, [3], writer="convert", dtype="int8")
+    assert tool.convert(src, dst) == len(src) == 8 and tool.convert(src, dst) == 0
+    for key, (_, _, rows, _) in src.index.items():
+        a, _ = src.get([key], rows, "cpu")
+        b, missing = dst.get([key], rows, "cpu")
+        assert missing == [] and torch.equal(b, dst.round(a))
+        ids, logp, missing = src.get_teacher([key], rows + 1, "cpu")
+        ids2, logp2, missing2 = dst.get_teacher([key], rows + 1, "cpu")
+        assert missing == missing2 == [] and torch.equal(ids, ids2) and torch.equal(logp, logp2)
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == before
+    src.close()
+    dst.close()
