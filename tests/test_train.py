@@ -1006,8 +1006,8 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
 
 def test_convert_feature_cache_copies_every_record_as_int8(tiny_corpus, tmp_path):
     """tools/convert_feature_cache.py: every record of a float16 cache (features and soft labels'
-    top tokens) lands in the int8 one as `round` stores it, a rerun copies nothing, and the source
-    folder is only read."""
+    top tokens, also those stored after their features were copied) lands in the int8 one as
+    `round` stores it, a rerun copies nothing, and the source folder is only read."""
     import importlib.util
 
     from blockdraft.train.features import FeatureCache
@@ -1025,6 +1025,11 @@ def test_convert_feature_cache_copies_every_record_as_int8(tiny_corpus, tmp_path
     src = FeatureCache(tmp_path / "src", target, [3], readonly=True)
     dst = FeatureCache(tmp_path / "dst", target, [3], writer="convert", dtype="int8")
     assert tool.convert(src, dst) == len(src) == 8 and tool.convert(src, dst) == 0
+    dst.close()  # top tokens stored after their features were copied (as a running writer stores them)
+    for name in ("teacher-convert.bin", "teacher-index-convert.jsonl"):
+        (tmp_path / "dst" / name).unlink()
+    dst = FeatureCache(tmp_path / "dst", target, [3], writer="convert", dtype="int8")
+    assert tool.convert(src, dst) == 0 and len(dst._teacher.index) == len(src._teacher.index) == 8
     for key, (_, _, rows, _) in src.index.items():
         a, _ = src.get([key], rows, "cpu")
         b, missing = dst.get([key], rows, "cpu")

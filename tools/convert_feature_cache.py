@@ -28,15 +28,17 @@ from blockdraft.train.features import FeatureCache, sequence_key  # noqa: E402
 
 def convert(src: FeatureCache, dst: FeatureCache, keys=None) -> int:
     """Copy `keys` (default: all of src's) into dst in dst's dtype; returns how many were copied."""
-    todo = [k for k in (src.index if keys is None else keys) if k in src.index and k not in dst.index]
+    wanted = list(src.index if keys is None else keys)
+    todo = [k for k in wanted if k in src.index and k not in dst.index]
     for key in tqdm(todo, desc="features", unit="sample"):
         rows = src.index[key][2]
         features, _ = src.get([key], rows, "cpu")
         dst.put([key], features, [rows])
-        if key in src._teacher.index:
-            start, k = src._teacher.index[key][3]
-            ids, logp, _ = src.get_teacher([key], start + src._teacher.index[key][2], "cpu")
-            dst.put_teacher(key, ids[0, start:, :k], logp[0, start:, :k], start)
+    # (on their own: a writer stores a sample's top tokens just after its features)
+    for key in [k for k in wanted if k in src._teacher.index and k not in dst._teacher.index]:
+        _, _, rows, (start, k) = src._teacher.index[key]
+        ids, logp, _ = src.get_teacher([key], start + rows, "cpu")
+        dst.put_teacher(key, ids[0, start:, :k], logp[0, start:, :k], start)
     return len(todo)
 
 
