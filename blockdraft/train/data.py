@@ -302,7 +302,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
             # the top tokens from the position before the first answer token on: soft labels
             rows, top = recorder.pop(k, len(seq) - 1, start=len(p["prompt_ids"]) - 1)
             why = None
-            if storing and not features.room(rows.numel() * 2 + top[0].numel() * 6, reserve=2 * 2**30):
+            if storing and not features.room(features.sample_bytes(rows.shape[0], top[0].shape[0]), reserve=2 * 2**30):
                 why = "its disk would keep under 2 GiB free"
             elif storing:
                 try:

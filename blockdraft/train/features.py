@@ -222,6 +222,16 @@ class FeatureCache:
             return rows * (self.width + 4 * len(self.layers))
         return rows * self.width * 2
 
+    @property
+    def _extra(self) -> tuple:
+        """The index-line fields of the feature records this process writes."""
+        return ("int8",) if self.dtype == "int8" else ()
+
+    def sample_bytes(self, rows: int, answer_rows: int = 0) -> int:
+        """What one sample adds: `rows` feature rows as this process stores them, and the top tokens
+        of `answer_rows` positions."""
+        return self._record_bytes(rows, self._extra) + answer_rows * TEACHER_TOPK * 6
+
     def round(self, features: torch.Tensor) -> torch.Tensor:
         """`features` as this process stores them and reads them back (float32): what training
         uses for computed features too, so that a run trains the same whether they were cached."""
@@ -264,8 +274,7 @@ class FeatureCache:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the
         cache, and with `answer_starts` (soft labels) the top tokens of their answers not stored yet."""
         keys = [sequence_key(seq) for seq in sequences]
-        extra = ("int8",) if self.dtype == "int8" else ()
-        need = sum(self._record_bytes(len(seq), extra) for seq, key in zip(sequences, keys) if key not in self.index)
+        need = sum(self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys) if key not in self.index)
         if answer_starts is not None:
             need += sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
                         if key not in self._teacher.index) * TEACHER_TOPK * 6
@@ -291,8 +300,8 @@ class FeatureCache:
         """Store each row's first `lengths[i]` feature rows (in `self.dtype`) unless its key is
         cached, or the disk would keep less than 1 GiB free."""
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
-        extra = ("int8",) if self.dtype == "int8" else ()
-        if not new or not self.room(sum(self._record_bytes(int(lengths[i]), extra) for i, _ in new)):
+        extra = self._extra
+        if not new or not self.room(sum(self.sample_bytes(int(lengths[i])) for i, _ in new)):
             return  # (a full disk: these stay uncached, computed again when next needed)
         full = features.detach().float().cpu()
         for i, key in new:
