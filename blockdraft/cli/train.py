@@ -71,6 +71,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(**settings)
     trainer = Trainer(cfg, resume=resume, position_dir=args.position_dir)
     trainer.run()
+    trainer.close()
     return 0 if trainer.stopped_by is None else 128 + trainer.stopped_by  # the shell's code for a signal
 
 

@@ -16,6 +16,7 @@ function of (seed, step, rank), so a resumed run continues bit for bit.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import os
@@ -569,6 +570,15 @@ class Trainer:
                 print(f"train: {self.world} processes in sync", file=sys.stderr)
         if self.rank == 0:
             self.drafter.save(self.out / "drafter")
-        if self.world > 1:  # every process leaves together, once rank 0 has saved
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+
+    def close(self):
+        """Leave the process group (DDP; nothing on one process), every process together once rank 0
+        has saved, whether the run ended or a signal stopped it. The DDP wrapper goes first: its
+        reducer holds the group, and a group still held when the interpreter shuts down ends its
+        gloo threads there, which can abort the process after a finished run."""
+        if self.world == 1 or not torch.distributed.is_initialized():
+            return
+        self.model = self.drafter
+        gc.collect()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
