@@ -25,6 +25,10 @@
     # hard labels against the target's distribution (soft labels) at equal steps, from scratch
     .venv/bin/python benchmarks/experiments.py labels --data data/regen/smollm2-135m-instruct-a1 --offset 6842 \
         --samples 2000 --dtype bfloat16 --feature-cache runs/feature-cache
+    # the same steps on new answers or on repeated ones: 1,000 answers x 4 epochs against 4,000 x 1
+    .venv/bin/python benchmarks/experiments.py spread --arch dspark --data data/regen/smollm2-135m-instruct-a1 \
+        --offset 4166 --samples 1000 --epochs 4 --dtype bfloat16 --feature-cache runs/feature-cache \
+        --target-layer-ids 1 14 27
     # the README's tables (and the curve) from data/train-logs/experiments.jsonl
     .venv/bin/python benchmarks/experiments.py table --plot docs/data_scaling.png
 
@@ -443,22 +447,43 @@ def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
             "temperature": train[0].get("temperature", 0.0)}
 
 
+def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict, samples: int, epochs: int):
+    """One run of the epoch curve's recipe from scratch on training samples [--offset, --offset +
+    samples) of --data (`labels_data`) for `epochs` epochs, measured on --data's held-out prompts and
+    answers (the same for every slice of one folder)."""
+    name = f"{Path(args.data).name}-{args.offset}-{samples}"
+    info = labels_data(args.data, args.offset, samples, RUNS / f"labels-data-{name}")
+    if key in done_runs():
+        return
+    steps = epochs * math.ceil(samples / EPOCH_RECIPES[args.arch]["batch_size"])
+    settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
+                "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}
+    cfg = TrainConfig(out=str(RUNS / out), max_steps=steps, **{**common(args), "data": info["folder"]}, **settings)
+    run(key, cfg, {"kind": kind, "arch": args.arch, "epochs": epochs, **extra, **info})
+
+
 def slice_runs(args, kind: str, variants: list[tuple[str, dict, dict]]):
     """One run per variant (name, TrainConfig overrides, recorded fields) of the epoch curve's recipe
-    from scratch on the same slice of --data (`labels_data`), at equal steps (--epochs), each
-    measured on the same held-out prompts and answers."""
+    from scratch on the same slice of --data (--samples from --offset), at equal steps (--epochs),
+    each measured on the same held-out prompts and answers (`slice_run`)."""
     name = f"{Path(args.data).name}-{args.offset}-{args.samples}"
-    info = labels_data(args.data, args.offset, args.samples, RUNS / f"labels-data-{name}")
-    steps = args.epochs * math.ceil(args.samples / EPOCH_RECIPES[args.arch]["batch_size"])
     for variant, overrides, extra in variants:
-        key = f"{kind}/{args.arch}/{name}/{variant}"
-        if key in done_runs():
-            continue
-        settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
-                    "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}
-        cfg = TrainConfig(out=str(RUNS / f"{kind}-{args.arch}-{name}-{variant}"), max_steps=steps,
-                          **{**common(args), "data": info["folder"]}, **settings)
-        run(key, cfg, {"kind": kind, "arch": args.arch, "epochs": args.epochs, **extra, **info})
+        slice_run(args, kind, f"{kind}/{args.arch}/{name}/{variant}", f"{kind}-{args.arch}-{name}-{variant}",
+                  overrides, extra, args.samples, args.epochs)
+
+
+def cmd_spread(args):
+    """The same steps spent on more answers or on more epochs: for each E of --epochs, --samples
+    answers for E epochs against E x --samples answers (from the same --offset of --data) for one,
+    from scratch, measured on the same held-out prompts and answers. Whether a drafter kind learns
+    more from new data than from repeated data at equal compute (the epoch curve repeats 2,000)."""
+    overrides = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    extra = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    for e in args.epochs:
+        for samples, epochs in ((args.samples, e), (args.samples * e, 1)):
+            name = f"{Path(args.data).name}-{args.offset}/{samples}x{epochs}"
+            slice_run(args, "spread", f"spread/{args.arch}/{name}", f"spread-{args.arch}-{name.replace('/', '-')}",
+                      overrides, {**extra, "steps_of": f"{args.samples}x{e}"}, samples, epochs)
 
 
 def cmd_labels(args):
@@ -563,7 +588,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "labels", "features",
-                 "blocks", "table"):
+                 "spread", "blocks", "table"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -610,15 +635,21 @@ def main():
     e.add_argument("--warmup-steps", type=int, default=25)
     e.add_argument("--feature-cache", default=None, help="default: runs/feature-cache-ARCH")
     e.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
-    for name in ("labels", "features"):
+    for name in ("labels", "features", "spread"):
         lb = sub.choices[name]
         lb.add_argument("--arch", choices=sorted(EPOCH_RECIPES), default="dspark")
         lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
         lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
-        lb.add_argument("--epochs", type=int, default=1)
+        if name == "spread":
+            lb.add_argument("--epochs", type=int, nargs="+", default=[4],
+                            help="for each E: --samples answers for E epochs against E x --samples for one")
+        else:
+            lb.add_argument("--epochs", type=int, default=1)
         lb.add_argument("--warmup-steps", type=int, default=25)
         lb.add_argument("--feature-cache", default=None, help="features (and the target's top tokens) kept across runs")
         lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    sub.choices["spread"].add_argument("--target-layer-ids", type=int, nargs="+",
+                    help="the target layers the drafter reads (default: its kind's; e.g. the feature cache's)")
     sub.choices["labels"].add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
                                        help="one run per weight of the soft labels (0: hard labels only)")
     sub.choices["features"].add_argument("--caches", nargs="+", required=True, metavar="DTYPE=FOLDER",
@@ -628,7 +659,7 @@ def main():
     set_paths(args.results, args.runs_dir)
     {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
      "context": cmd_context, "epochs": cmd_epochs, "labels": cmd_labels, "features": cmd_features,
-     "blocks": cmd_blocks,
+     "spread": cmd_spread, "blocks": cmd_blocks,
      "table": cmd_table}[args.cmd](args)
 
 

@@ -1,6 +1,7 @@
 """The training A/B tables of docs/training.md from data/train-logs/experiments.jsonl: sampled vs
 greedy answers, a Markov head vs plain DFlash, the training context, the epoch curve, hard vs
-soft labels, and float16 vs int8 cached features (one row per finished run).
+soft labels, float16 vs int8 cached features, and the same steps on more answers or on more epochs
+(one row per finished run).
 
     .venv/bin/python benchmarks/training_ab_table.py data/train-logs/experiments.jsonl --doc docs/training.md \
         --plot docs/epoch_curve.png
@@ -20,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
 KINDS = {"sampling": "answers", "markov": "drafter", "context": "sequences", "epochs": "arch, epochs",
-         "labels": "labels, data", "features": "features as read, data"}
+         "labels": "labels, data", "features": "features as read, data",
+         "spread": "answers x epochs, data"}
 
 
 def _f(x, digits=3):
@@ -49,6 +51,11 @@ def describe(r: dict) -> str:
         answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
         return (f"{r['feature_dtype']} cache; {r['arch']} from scratch, hard labels, {r['epochs']} epoch of "
                 f"{r['train_samples']} {answers} answers ({Path(r['source']).name} from {r['offset']})")
+    if kind == "spread":
+        answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
+        layers = f", target layers {r['target_layer_ids']}" if r.get("target_layer_ids") else ""
+        return (f"{r['arch']} from scratch, {r['train_samples']} {answers} answers x {r['epochs']} epoch(s), hard "
+                f"labels{layers} ({Path(r['source']).name} from {r['offset']})")
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
 
 
