@@ -447,7 +447,7 @@ def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
             "temperature": train[0].get("temperature", 0.0)}
 
 
-def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict, samples: int, epochs: int):
+def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict, samples: int, epochs: float):
     """One run of the epoch curve's recipe from scratch on training samples [--offset, --offset +
     samples) of --data (`labels_data`) for `epochs` epochs, measured on --data's held-out prompts and
     answers (the same for every slice of one folder)."""
@@ -455,7 +455,7 @@ def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict,
     info = labels_data(args.data, args.offset, samples, RUNS / f"labels-data-{name}")
     if key in done_runs():
         return
-    steps = epochs * math.ceil(samples / EPOCH_RECIPES[args.arch]["batch_size"])
+    steps = math.ceil(epochs * math.ceil(samples / EPOCH_RECIPES[args.arch]["batch_size"]))
     settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
                 "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}
     cfg = TrainConfig(out=str(RUNS / out), max_steps=steps, **{**common(args), "data": info["folder"]}, **settings)
@@ -478,12 +478,17 @@ def cmd_spread(args):
     from scratch, measured on the same held-out prompts and answers. Whether a drafter kind learns
     more from new data than from repeated data at equal compute (the epoch curve repeats 2,000)."""
     overrides = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    extra = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    for e in args.epochs:
-        for samples, epochs in ((args.samples, e), (args.samples * e, 1)):
-            name = f"{Path(args.data).name}-{args.offset}/{samples}x{epochs}"
-            slice_run(args, "spread", f"spread/{args.arch}/{name}", f"spread-{args.arch}-{name.replace('/', '-')}",
-                      overrides, {**extra, "steps_of": f"{args.samples}x{e}"}, samples, epochs)
+    overrides.update(json.loads(args.settings) if args.settings else {})
+    extra = dict(overrides)
+    suffix = f"-{args.variant}" if args.variant else ""
+    runs = [(n, e) for e in args.epochs for n, e in ((args.samples, e), (args.samples * e, 1))]
+    for spec in args.also:  # e.g. 4000x2.5: the baseline given the minutes of the other kind's steps
+        samples, epochs = spec.split("x")
+        runs.append((int(samples), float(epochs)))
+    for samples, epochs in runs:
+        name = f"{Path(args.data).name}-{args.offset}/{samples}x{epochs:g}{suffix}"
+        slice_run(args, "spread", f"spread/{args.arch}/{name}", f"spread-{args.arch}-{name.replace('/', '-')}",
+                  overrides, extra, samples, epochs)
 
 
 def cmd_labels(args):
@@ -641,13 +646,17 @@ def main():
         lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
         lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
         if name == "spread":
-            lb.add_argument("--epochs", type=int, nargs="+", default=[4],
+            lb.add_argument("--epochs", type=int, nargs="*", default=[4],
                             help="for each E: --samples answers for E epochs against E x --samples for one")
         else:
             lb.add_argument("--epochs", type=int, default=1)
         lb.add_argument("--warmup-steps", type=int, default=25)
         lb.add_argument("--feature-cache", default=None, help="features (and the target's top tokens) kept across runs")
         lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
+    sub.choices["spread"].add_argument("--settings", help='JSON overrides of the recipe, e.g. {"num_layers": 1}')
+    sub.choices["spread"].add_argument("--variant", help="a name for --settings, added to the runs' names")
+    sub.choices["spread"].add_argument("--also", nargs="+", default=[], metavar="SAMPLESxEPOCHS",
+                                       help="more runs from the same offset, e.g. 4000x2.5 (epochs may be fractional)")
     sub.choices["spread"].add_argument("--target-layer-ids", type=int, nargs="+",
                     help="the target layers the drafter reads (default: its kind's; e.g. the feature cache's)")
     sub.choices["labels"].add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
