@@ -476,7 +476,9 @@ def cmd_spread(args):
     """The same steps spent on more answers or on more epochs: for each E of --epochs, --samples
     answers for E epochs against E x --samples answers (from the same --offset of --data) for one,
     from scratch, measured on the same held-out prompts and answers. Whether a drafter kind learns
-    more from new data than from repeated data at equal compute (the epoch curve repeats 2,000)."""
+    more from new data than from repeated data at equal compute (the epoch curve repeats 2,000).
+    --also adds runs of any size and length (e.g. the baseline given the other kind's minutes);
+    --settings overrides the recipe for every run, named by --variant."""
     overrides = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
     overrides.update(json.loads(args.settings) if args.settings else {})
     extra = dict(overrides)
@@ -658,7 +660,8 @@ def main():
     sub.choices["spread"].add_argument("--also", nargs="+", default=[], metavar="SAMPLESxEPOCHS",
                                        help="more runs from the same offset, e.g. 4000x2.5 (epochs may be fractional)")
     sub.choices["spread"].add_argument("--target-layer-ids", type=int, nargs="+",
-                    help="the target layers the drafter reads (default: its kind's; e.g. the feature cache's)")
+                                       help="the target layers the drafter reads (default: its kind's; e.g. "
+                                            "the feature cache's)")
     sub.choices["labels"].add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
                                        help="one run per weight of the soft labels (0: hard labels only)")
     sub.choices["features"].add_argument("--caches", nargs="+", required=True, metavar="DTYPE=FOLDER",
