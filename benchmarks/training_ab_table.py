@@ -54,8 +54,9 @@ def describe(r: dict) -> str:
     if kind == "spread":
         answers = "greedy" if not r.get("temperature") else f"T {r['temperature']}"
         layers = f", target layers {r['target_layer_ids']}" if r.get("target_layer_ids") else ""
-        if r.get("num_layers"):
-            layers = f", {r['num_layers']} layer(s){layers}"
+        for key in ("num_layers", "num_anchors"):  # --settings of the run, where given
+            if r.get(key):
+                layers = f", {key.removeprefix('num_')} {r[key]}{layers}"
         return (f"{r['arch']} from scratch, {r['train_samples']} {answers} answers x {r['epochs']:g} epoch(s), hard "
                 f"labels{layers} ({Path(r['source']).name} from {r['offset']})")
     return f"{r['arch']}, {r['epochs']} epoch(s) of {r['samples']} samples"
