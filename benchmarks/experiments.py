@@ -451,10 +451,10 @@ def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict,
     """One run of the epoch curve's recipe from scratch on training samples [--offset, --offset +
     samples) of --data (`labels_data`) for `epochs` epochs, measured on --data's held-out prompts and
     answers (the same for every slice of one folder)."""
+    if key in done_runs():
+        return  # (before the slice: labels_data reads the whole source folder and writes the slice)
     name = f"{Path(args.data).name}-{args.offset}-{samples}"
     info = labels_data(args.data, args.offset, samples, RUNS / f"labels-data-{name}")
-    if key in done_runs():
-        return
     steps = math.ceil(epochs * math.ceil(samples / EPOCH_RECIPES[args.arch]["batch_size"]))
     settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
                 "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}

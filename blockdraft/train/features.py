@@ -81,6 +81,11 @@ TEACHER_TOPK = 32  # the target's likeliest tokens kept per position for soft la
 # target's answers they hold 94-96% of its probability, 91-94% at 16: benchmarks/label_agreement.py)
 
 
+def teacher_bytes(rows: int, k: int = TEACHER_TOPK) -> int:
+    """The stored size of `rows` positions' top-`k` tokens: an int32 id and a float16 log-probability each."""
+    return rows * k * 6
+
+
 class _Store:
     """One kind of per-sample record in a cache folder: per writer NAME, `DATA-NAME.bin` (records
     appended) and `INDEX-NAME.jsonl`, one line [key, byte offset, rows, *extra] per record, written
@@ -186,7 +191,7 @@ class FeatureCache:
         name = None if readonly else writer or f"rank{rank}"
         self._features = _Store(self.folder, "features", "index", name, self._record_bytes)
         # teacher records: int32 ids [rows, k] then float16 log-probabilities [rows, k]; extra (start, k)
-        self._teacher = _Store(self.folder, "teacher", "teacher-index", name, lambda rows, extra: rows * extra[1] * 6)
+        self._teacher = _Store(self.folder, "teacher", "teacher-index", name, lambda rows, extra: teacher_bytes(rows, extra[1]))
         self.index = self._features.index
         self.hits = self.misses = 0
 
@@ -230,7 +235,7 @@ class FeatureCache:
     def sample_bytes(self, rows: int, answer_rows: int = 0) -> int:
         """What one sample adds: `rows` feature rows as this process stores them, and the top tokens
         of `answer_rows` positions."""
-        return self._record_bytes(rows, self._extra) + answer_rows * TEACHER_TOPK * 6
+        return self._record_bytes(rows, self._extra) + teacher_bytes(answer_rows)
 
     def round(self, features: torch.Tensor) -> torch.Tensor:
         """`features` as this process stores them and reads them back (float32): what training
@@ -264,7 +269,7 @@ class FeatureCache:
         """Store one sample's top tokens ids [rows, k] and log-probabilities [rows, k] for positions
         start..start+rows-1 (unless stored, or the disk would keep less than 1 GiB free)."""
         rows, k = ids.shape
-        if key in self._teacher.index or not self.room(rows * k * 6):
+        if key in self._teacher.index or not self.room(teacher_bytes(rows, k)):
             return
         raw = (ids.detach().cpu().to(torch.int32).numpy().tobytes()
                + logp.detach().float().clamp(min=-FP16_MAX).cpu().half().numpy().tobytes())
@@ -276,8 +281,8 @@ class FeatureCache:
         keys = [sequence_key(seq) for seq in sequences]
         need = sum(self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys) if key not in self.index)
         if answer_starts is not None:
-            need += sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
-                        if key not in self._teacher.index) * TEACHER_TOPK * 6
+            need += teacher_bytes(sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
+                                      if key not in self._teacher.index))
         return need
 
     def check_space(self, sequences, reserve: int = 2**30, answer_starts=None) -> str | None:
