@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from ..errors import BlockdraftError
 from ..sequences import Request
 from ..spec import SpecConfig
 from ..text import chat_prompt_ids
-from .answers import AnswerDeduper, AnswerSampling, answer_copies, make_sample
+from .answers import AnswerDeduper, AnswerSampling, answer_copies, answer_id, make_sample
 from .features import FeatureRecorder, sequence_key
 from .remote import RemoteTarget, answer_prompts_remote
 
@@ -89,16 +89,20 @@ def interleave(streams: dict[str, Iterable], weights: dict[str, float]) -> Itera
 
 
 def training_prompts(tokenizer, mix: dict[str, float] | str | None = None, max_prompt_tokens: int = 256,
-                     fingerprints: list[str] | None = None, sources: dict | None = None) -> Iterator[dict]:
+                     fingerprints: list[str] | None = None, sources: dict | None = None,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[dict]:
     """Prompts to answer, lazily, in a fixed order: the sources of `mix` interleaved by weight,
     evaluation prompts excluded by fingerprint, prompts longer than `max_prompt_tokens` skipped.
     A sample's split (train / valid) is a function of its id alone. `sources`: name -> a callable
     giving `{"id", "messages"}` records (default: `datasets.PROMPT_SOURCES`; self-written prompts
-    come from `prompts.prompt_sources`)."""
+    come from `prompts.prompt_sources`). `skip(id)` true: that record is passed over before it is
+    fingerprinted or tokenized (a resumed run's done prompts cost nothing)."""
     sources = PROMPT_SOURCES if sources is None else sources
     mix = parse_mix(mix, sources)
     fps = eval_fingerprints() if fingerprints is None else fingerprints
     for source, rec in interleave({name: sources[name]() for name in mix}, mix):
+        if skip is not None and skip(rec["id"]):
+            continue
         messages = rec["messages"]
         if any(m["role"] == "user" and contaminated(m["content"], fps) for m in messages):
             continue
@@ -394,7 +398,13 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         done = dedup.written | dedup.dropped | {s["id"] for s in others}  # an id answered there is done,
         for folder in dedup_against:  # and one dropped there as a repeat
             done |= AnswerDeduper(Path(folder), ()).dropped
-        stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, sources=sources)
+
+        def answered(prompt_id):  # every answer this run would give it is done
+            return all(answer_id(prompt_id, i) in done for i in range(first_answer, first_answer + answers_per_prompt))
+
+        # a limit counts the first prompts of the mix, done or not, so only without one are done ones skipped
+        stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, sources=sources,
+                                  skip=answered if limit is None else None)
         if limit is not None:
             stream = (p for _, p in zip(range(limit), stream))
         todo = (p for p in answer_copies(stream, answers_per_prompt, first_answer) if p["id"] not in done)
