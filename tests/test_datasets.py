@@ -270,38 +270,45 @@ def test_more_sampled_answers_beside_the_greedy_ones_in_another_folder(tmp_path)
     assert all(s["answer_index"] == 3 for s in iter_samples(tmp_path / "more"))
 
 
-def test_a_rerun_passes_over_answered_prompts_without_tokenizing_them(tmp_path, monkeypatch):
-    """Resuming a large finished folder cost a minute of tokenizing prompts only to find them all
-    answered: a prompt whose every answer of this run is done is skipped before it is tokenized,
-    and only the prompts still to answer are."""
+def test_a_rerun_tokenizes_only_the_prompts_it_may_still_answer(tmp_path, monkeypatch):
+    """Resuming a finished folder of the built-in mix took over a minute, tokenizing prompts only to
+    find them answered or too long: a prompt whose every answer of this run is done, or which was
+    turned away before under the same tokenizer and prompt cap, is passed over untokenized."""
     from blockdraft import Engine
     from blockdraft.train import data
     from blockdraft.train.answers import AnswerSampling
 
     records = [{"id": f"tiny/{i}", "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]}
                for i in range(3)]
-    run = dict(mix="tiny", sources={"tiny": lambda: iter(records)}, max_new_tokens=3, batch_size=4, progress=False)
+    records.insert(1, {"id": "tiny/long", "messages": [{"role": "user", "content": "colour " * 40}]})
+    run = dict(mix="tiny", sources={"tiny": lambda: iter(records)}, max_new_tokens=3, batch_size=4, progress=False,
+               max_prompt_tokens=40)
     engine = Engine.load(use_draft=False)
     tokenized = []
     real = data.chat_prompt_ids
 
     def spy(tokenizer, turns):  # the prompts of the mix (not the chat template's own probes)
         if isinstance(turns, list):
-            tokenized.append(turns)
+            tokenized.append(turns[-1]["content"])
         return real(tokenizer, turns)
 
     monkeypatch.setattr(data, "chat_prompt_ids", spy)
-    assert data.regenerate(engine, tmp_path / "a0", **run).written == 3 and len(tokenized) == 3
+    assert data.regenerate(engine, tmp_path / "a0", **run).written == 3 and len(tokenized) == 4
     tokenized.clear()
     assert data.regenerate(engine, tmp_path / "a0", **run).written == 0 and tokenized == []
-    # answer 1 of every prompt, beside answer 0 in the other folder: all three are still to answer
+    # answer 1 of every prompt, beside answer 0 in the other folder: the three are still to answer
     sampled = dict(sampling=AnswerSampling(0.7, 0.8, 20), first_answer=1, dedup_against=[tmp_path / "a0"])
     stats = data.regenerate(engine, tmp_path / "a1", **run, **sampled)
-    assert stats.written + stats.duplicates == 3 and len(tokenized) == 3
+    assert stats.written + stats.duplicates == 3 and len(tokenized) == 4
     tokenized.clear()
     assert data.regenerate(engine, tmp_path / "a1", **run, **sampled).written == 0 and tokenized == []
-    # a limit counts the first prompts of the mix, done or not: those are still read
+    # a limit counts the first prompts of the mix, done or not: those are still read, the long one not
     assert data.regenerate(engine, tmp_path / "a0", limit=2, **run).written == 0 and len(tokenized) == 2
+    assert "colour colour" not in "".join(tokenized)
+    tokenized.clear()
+    # under another prompt cap the long prompt is looked at again, and answered
+    assert data.regenerate(engine, tmp_path / "a0", **{**run, "max_prompt_tokens": 256}).written == 1
+    assert tokenized == ["colour " * 40]
 
 
 def test_an_answer_identical_to_one_kept_for_its_prompt_is_dropped_for_good(tmp_path):
