@@ -126,7 +126,8 @@ class RejectedPrompts:
     resumed run passes over them before tokenizing them again: in the built-in mix 27,874 of 50,482
     prompts are such, and tokenizing them took a resumed run over a minute before its first answer.
     Valid for one tokenizer (its vocabulary and chat template), one `max_prompt_tokens` and one set
-    of evaluation fingerprints; under any other the file is set aside and filled anew."""
+    of evaluation fingerprints; under any other it is read as empty and rewritten with what that run
+    turns away."""
 
     NAME = ".rejected-prompts.json"
 
