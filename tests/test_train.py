@@ -656,6 +656,43 @@ def test_training_data_from_several_folders(tiny_corpus, tmp_path):
         Trainer(tiny_config(root, tmp_path / "bad", data=f"{root / 'data'},{tmp_path / 'missing'}"))
 
 
+def test_skip_trained_by_leaves_out_exactly_what_an_earlier_run_trained_on(tiny_corpus, tmp_path):
+    """`--skip-trained-by RUN` drops the samples RUN trained on (the first 10 of folder A, its
+    --limit-samples) and keeps those added to A since, another folder's samples of the same ids,
+    and A's other 6, whatever the new --data order; a run that did not go through all its samples,
+    or whose sample set is not fixed, is refused."""
+    import shutil
+
+    from blockdraft.errors import BlockdraftError
+
+    root = tiny_corpus[0]
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(root / "data", a)
+    shutil.copytree(root / "data", b)
+    first = Trainer(tiny_config(root, tmp_path / "first", data=str(a), limit_samples=10, max_steps=3, save_every=3))
+    first.run()
+    old = [json.loads(line) for line in (a / "shard-00000.jsonl").read_text().splitlines()]
+    with open(a / "shard-00001.jsonl", "w") as f:  # answers added after that run
+        for s in old[:8]:
+            f.write(json.dumps({**s, "id": s["id"] + "~a1", "answer_ids": s["answer_ids"][::-1]}) + "\n")
+    done = tmp_path / "first" / "checkpoint"
+    rest = Trainer(tiny_config(root, tmp_path / "rest", data=f"{b},{a}", skip_trained_by=str(done)))
+    expect = ([s["prompt_ids"] + s["answer_ids"] for s in old]  # B: none of them trained
+              + [s["prompt_ids"] + s["answer_ids"] for s in old[10:]]
+              + [s["prompt_ids"] + s["answer_ids"][::-1] for s in old[:8]])
+    assert [s[0] for s in rest.samples] == [e[:64] for e in expect]
+    rest.run(until=1)
+    assert json.loads((tmp_path / "rest" / "checkpoint" / "state.json").read_text())["config"]["skip_trained_by"]
+    short = Trainer(tiny_config(root, tmp_path / "short", data=str(a), limit_samples=10, max_steps=2, save_every=2))
+    short.run()
+    with pytest.raises(BlockdraftError, match="went through 8 sequences, fewer than its 10 samples"):
+        Trainer(tiny_config(root, tmp_path / "x", skip_trained_by=str(tmp_path / "short" / "checkpoint")))
+    unfixed = Trainer(tiny_config(root, tmp_path / "unfixed", data=str(b), max_steps=4, save_every=4))
+    unfixed.run()
+    with pytest.raises(BlockdraftError, match="fixed neither --limit-samples nor --folder-samples"):
+        Trainer(tiny_config(root, tmp_path / "y", skip_trained_by=str(tmp_path / "unfixed" / "checkpoint")))
+
+
 @pytest.mark.parametrize("arch", ["dflash", "eagle3"])
 def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_same_way(tiny_corpus, tmp_path, arch):
     """With --feature-cache, epoch 1 runs the target and stores each sample's features; later

@@ -43,18 +43,25 @@ KINDS = {
 }
 
 
-def data_summary(folder: str) -> tuple[collections.Counter, int, int, int]:
+def data_summary(cfg: dict) -> tuple[collections.Counter, int, int, int, int]:
     """Samples per prompt source (the id's prefix), the training / held-out counts, and how
-    many answers were sampled (a temperature recorded) rather than greedy."""
-    from blockdraft.train.data import iter_samples
+    many answers were sampled (a temperature recorded) rather than greedy, in a run's --data
+    folders, less the samples its --skip-trained-by run trained on (how many: the last count)."""
+    from blockdraft.train.data import data_folders, iter_samples
+    from blockdraft.train.trainer import trained_ids
 
-    sources, train, valid, sampled = collections.Counter(), 0, 0, 0
-    for sample in iter_samples(folder):
-        sources[sample["id"].split("/", 1)[0]] += 1
-        valid += sample.get("split") == "valid"
-        train += sample.get("split") != "valid"
-        sampled += bool(sample.get("temperature"))
-    return sources, train, valid, sampled
+    skip = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else set()
+    sources, train, valid, sampled, skipped = collections.Counter(), 0, 0, 0, 0
+    for folder in data_folders(cfg["data"]):
+        for sample in iter_samples(folder):
+            if (str(folder.resolve()), sample["id"]) in skip:
+                skipped += 1
+                continue
+            sources[sample["id"].split("/", 1)[0]] += 1
+            valid += sample.get("split") == "valid"
+            train += sample.get("split") != "valid"
+            sampled += bool(sample.get("temperature"))
+    return sources, train, valid, sampled, skipped
 
 
 def scaling_table(path: str, arch: str = "dflash") -> str:
@@ -161,7 +168,11 @@ def ship(args, run: Path, arch: str):
         *[f"| {DATASETS[d]} | first {samples[d]} | " + " | ".join(f"{taus[d][n]:.2f}" for n in names) + " |"
           for d in taus],
     ])
-    sources, train, valid, sampled = data_summary(cfg["data"])
+    sources, train, valid, sampled, skipped = data_summary(cfg)
+    if skipped:
+        folders_note = f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on"
+    else:
+        folders_note = ""
     answers = ("greedily" if not sampled else
                f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)")
     folders = ", ".join(f"`{f}`" for f in cfg["data"].split(","))
@@ -203,7 +214,7 @@ this project's CPU machine; {kind['use']}. {fmt}
 | | |
 |---|---|
 | drafter | {shape}, draft vocabulary {vocab}, initialised from {init} |
-| data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts excluded): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
+| data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts excluded{folders_note}): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
 | training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
 | training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}{precision}, torch {torch.__version__}) |
 {parent}

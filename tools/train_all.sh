@@ -13,6 +13,10 @@
 #
 #   tools/train_all.sh [EPOCHS]        # default 3; NAME=dspark-e3 by default
 #
+# SINCE=POSITION leaves out every sample the run at that committed position trained on
+# (--skip-trained-by): the shipped drafter goes on with only the answers added since it was made,
+#   SINCE=data/train-logs/positions/dspark-all NAME=dspark-new tools/train_all.sh 1
+#
 # Ctrl-C (or SIGTERM) stops it at the end of a step with a checkpoint and the position written.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,12 +25,14 @@ name=${NAME:-dspark-e$epochs}
 bd=.venv/bin/blockdraft
 pos=data/train-logs/positions/$name
 common=(--out "runs/$name" --position-dir "$pos" --feature-cache runs/feature-cache --feature-dtype int8)
+since=()
+if [[ -n ${SINCE:-} ]]; then since=(--skip-trained-by "$SINCE"); fi
 if [[ -f $pos/state.json ]]; then
     exec $bd train --resume-from "$pos" "${common[@]}"
 fi
 main=data/regen/smollm2-135m-instruct
 data=$(ls -d $main $main-* | paste -sd, -)  # the greedy answers first, then the other folders by name
-exec $bd train "${common[@]}" --data "$data" --epochs "$epochs" --markov-rank 256 --block-size 4 \
+exec $bd train "${common[@]}" "${since[@]}" --data "$data" --epochs "$epochs" --markov-rank 256 --block-size 4 \
     --num-anchors 64 --batch-size 4 --draft-vocab 8192 --schedule wsd --warmup-steps 25 --lr 3e-4 \
     --dtype bfloat16 --distill 1 --init-from blockdraft/shipped/smollm2-135m-instruct-dflash \
     --eval-every 2500 --eval-prompts 32 --eval-max-new-tokens 96 --save-every 100

@@ -66,6 +66,9 @@ class TrainConfig:
                                "target; see init_from_target)")
     draft_vocab: int = _opt(0, ">0: the drafter scores only the N most frequent answer tokens (0: all)")
     limit_samples: int | None = _opt(None, "train on the first N training samples only")
+    skip_trained_by: str | None = _opt(None, "a run's position folder (its state.json): leave out every sample "
+                                             "that run trained on, e.g. to go on from the drafter it made "
+                                             "(--init-from) with only the samples added since")
     folder_samples: list[int] | None = _opt(None, "train on the first N training samples of each --data folder "
                                                   "only, one count per folder (--epochs sets it)")
     feature_cache: str | None = _opt(None, "folder: the target's features (and, with --distill, its top tokens) "

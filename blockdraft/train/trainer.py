@@ -62,6 +62,58 @@ def adopt_position(src: Path, out: Path) -> bool:
     return True
 
 
+def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | None = None):
+    """The training items of the --data folders, in folder and shard order, each (sequence cut to
+    max_seq_len, prompt length, sample, folder); the held-out ones; the training count per folder
+    (`folder_samples`: the first N of each folder only)."""
+    folders = data_folders(data)
+    for folder in folders:
+        if not folder.is_dir():
+            raise BlockdraftError(f"training data folder not found: {folder} "
+                                  "(make it with `blockdraft data regenerate`)")
+    if folder_samples is not None and len(folder_samples) != len(folders):
+        raise BlockdraftError(f"--folder-samples: one count per --data folder, got {folder_samples}")
+    train, valid, counts = [], [], []
+    for n, folder in enumerate(folders):
+        mine = []
+        for s in iter_samples(folder):
+            item = ((s["prompt_ids"] + s["answer_ids"])[:max_seq_len], len(s["prompt_ids"]), s, folder)
+            (valid if s["split"] == "valid" else mine).append(item)
+        mine = [t for t in mine if len(t[0]) - t[1] >= 2]
+        if folder_samples is not None:
+            mine = mine[: folder_samples[n]]
+        counts.append(len(mine))
+        train += mine
+    return train, [t[:3] for t in valid], counts
+
+
+def trained_ids(position: Path) -> set[tuple[str, str]]:
+    """(folder resolved, sample id) of every sample the run at `position` (a --position-dir or a run's
+    checkpoint folder: its state.json) trained on: its --data as it stood then (folders grow only
+    at the end), cut as it cut them. The run must have gone through all of them at least once."""
+    state_file = position / "state.json"
+    if not state_file.is_file():
+        raise BlockdraftError(f"--skip-trained-by: no state.json in {position}")
+    state = json.loads(state_file.read_text())
+    cfg = state["config"]
+    train, _, _ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"))
+    if cfg.get("skip_trained_by"):
+        done = trained_ids(Path(cfg["skip_trained_by"]))
+        train = [t for t in train if (str(t[3].resolve()), t[2]["id"]) not in done]
+    else:
+        done = set()
+    if cfg.get("limit_samples"):
+        train = train[: cfg["limit_samples"]]
+    elif not cfg.get("folder_samples"):
+        raise BlockdraftError(f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
+                              "so which of its folders' samples it trained on is not known")
+    seen = state["step"] * cfg["batch_size"] * state.get("processes", 1)
+    if seen < len(train):
+        raise BlockdraftError(f"--skip-trained-by: {position} went through {seen:,} sequences, fewer than its "
+                              f"{len(train):,} samples, so not all of them were trained on")
+    return done | {(str(t[3].resolve()), t[2]["id"]) for t in train}
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, position_dir: str | Path | None = None):
         """`resume`: continue from OUT/checkpoint (bit for bit where it holds the optimizer state;
@@ -149,30 +201,16 @@ class Trainer:
 
     def _load_samples(self):
         cfg = self.cfg
-        for folder in data_folders(cfg.data):
-            if not folder.is_dir():
-                raise BlockdraftError(f"training data folder not found: {folder} "
-                                      "(make it with `blockdraft data regenerate`)")
-        train, valid, self.folder_counts = [], [], []
-        for n, folder in enumerate(data_folders(cfg.data)):
-            mine = []
-            for s in iter_samples(folder):
-                seq = (s["prompt_ids"] + s["answer_ids"])[: cfg.max_seq_len]
-                item = (seq, len(s["prompt_ids"]), s)
-                (valid if s["split"] == "valid" else mine).append(item)
-            mine = [t for t in mine if len(t[0]) - t[1] >= 2]
-            if cfg.folder_samples is not None:
-                if len(cfg.folder_samples) != len(data_folders(cfg.data)):
-                    raise BlockdraftError(f"--folder-samples: one count per --data folder, got {cfg.folder_samples}")
-                mine = mine[: cfg.folder_samples[n]]
-            self.folder_counts.append(len(mine))
-            train += mine
+        train, self.valid, self.folder_counts = training_samples(cfg.data, cfg.max_seq_len, cfg.folder_samples)
+        if cfg.skip_trained_by:
+            done = trained_ids(Path(cfg.skip_trained_by))
+            train = [t for t in train if (str(t[3].resolve()), t[2]["id"]) not in done]
         if cfg.limit_samples:
             train = train[: cfg.limit_samples]
         if not train:
-            raise BlockdraftError(f"{cfg.data}: no training samples")
-        self.valid = valid
-        return train
+            raise BlockdraftError(f"{cfg.data}: no training samples" + (
+                f" that {cfg.skip_trained_by} did not train on" if cfg.skip_trained_by else ""))
+        return [t[:3] for t in train]
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Sample order of an epoch: a permutation from (seed, epoch), then sorted by length
