@@ -656,7 +656,7 @@ def test_training_data_from_several_folders(tiny_corpus, tmp_path):
         Trainer(tiny_config(root, tmp_path / "bad", data=f"{root / 'data'},{tmp_path / 'missing'}"))
 
 
-def test_skip_trained_by_leaves_out_exactly_what_an_earlier_run_trained_on(tiny_corpus, tmp_path):
+def test_skip_trained_by_leaves_out_exactly_what_an_earlier_run_trained_on(tiny_corpus, tmp_path, monkeypatch):
     """`--skip-trained-by RUN` drops the samples RUN trained on (the first 10 of folder A, its
     --limit-samples) and keeps those added to A since, another folder's samples of the same ids,
     and A's other 6, whatever the new --data order; a run that did not go through all its samples,
@@ -682,7 +682,12 @@ def test_skip_trained_by_leaves_out_exactly_what_an_earlier_run_trained_on(tiny_
               + [s["prompt_ids"] + s["answer_ids"][::-1] for s in old[:8]])
     assert [s[0] for s in rest.samples] == [e[:64] for e in expect]
     rest.run(until=1)
-    assert json.loads((tmp_path / "rest" / "checkpoint" / "state.json").read_text())["config"]["skip_trained_by"]
+    saved = json.loads((tmp_path / "rest" / "checkpoint" / "state.json").read_text())["config"]
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import ship_drafter  # its card counts what the run trains on and what it left out
+
+    sources, train, valid, sampled, skipped = ship_drafter.data_summary(saved)
+    assert (sources, train, valid, sampled, skipped) == ({"t": 30}, 30, 0, 0, 10)
     short = Trainer(tiny_config(root, tmp_path / "short", data=str(a), limit_samples=10, max_steps=2, save_every=2))
     short.run()
     with pytest.raises(BlockdraftError, match="went through 8 sequences, fewer than its 10 samples"):

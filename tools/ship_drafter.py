@@ -45,23 +45,16 @@ KINDS = {
 
 def data_summary(cfg: dict) -> tuple[collections.Counter, int, int, int, int]:
     """Samples per prompt source (the id's prefix), the training / held-out counts, and how
-    many answers were sampled (a temperature recorded) rather than greedy, in a run's --data
-    folders, less the samples its --skip-trained-by run trained on (how many: the last count)."""
-    from blockdraft.train.data import data_folders, iter_samples
-    from blockdraft.train.trainer import trained_ids
+    many answers were sampled (a temperature recorded) rather than greedy, of what a run's
+    settings train on; and how many its --skip-trained-by left out."""
+    from blockdraft.train.trainer import trained_ids, training_samples
 
-    skip = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else set()
-    sources, train, valid, sampled, skipped = collections.Counter(), 0, 0, 0, 0
-    for folder in data_folders(cfg["data"]):
-        for sample in iter_samples(folder):
-            if (str(folder.resolve()), sample["id"]) in skip:
-                skipped += 1
-                continue
-            sources[sample["id"].split("/", 1)[0]] += 1
-            valid += sample.get("split") == "valid"
-            train += sample.get("split") != "valid"
-            sampled += bool(sample.get("temperature"))
-    return sources, train, valid, sampled, skipped
+    skip = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else frozenset()
+    train, valid, _, skipped = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
+                                                None, skip)
+    samples = [t[2] for t in train + valid]
+    sources = collections.Counter(s["id"].split("/", 1)[0] for s in samples)
+    return sources, len(train), len(valid), sum(bool(s.get("temperature")) for s in samples), skipped
 
 
 def scaling_table(path: str, arch: str = "dflash") -> str:

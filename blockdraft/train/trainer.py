@@ -62,10 +62,18 @@ def adopt_position(src: Path, out: Path) -> bool:
     return True
 
 
-def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | None = None):
-    """The training items of the --data folders, in folder and shard order, each (sequence cut to
-    max_seq_len, prompt length, sample, folder); the held-out ones; the training count per folder
-    (`folder_samples`: the first N of each folder only)."""
+def sample_key(folder: Path, sample: dict) -> tuple[str, str]:
+    """A training sample's identity across runs: its folder and its id (two folders may answer one prompt)."""
+    return str(folder.resolve()), sample["id"]
+
+
+def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | None = None,
+                     limit_samples: int | None = None, skip: set | frozenset = frozenset()):
+    """What a run with these settings trains on: the training items of the --data folders, in
+    folder and shard order, each (sequence cut to max_seq_len, prompt length, sample, folder),
+    the first `folder_samples[n]` of folder n, less those whose `sample_key` is in `skip`, the
+    first `limit_samples` of the rest. Also the held-out items, the count per folder (before
+    `skip`) and how many `skip` left out."""
     folders = data_folders(data)
     for folder in folders:
         if not folder.is_dir():
@@ -84,34 +92,34 @@ def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | No
             mine = mine[: folder_samples[n]]
         counts.append(len(mine))
         train += mine
-    return train, [t[:3] for t in valid], counts
+    kept = [t for t in train if sample_key(t[3], t[2]) not in skip] if skip else train
+    skipped = len(train) - len(kept)
+    if limit_samples:
+        kept = kept[:limit_samples]
+    return kept, valid, counts, skipped
 
 
 def trained_ids(position: Path) -> set[tuple[str, str]]:
-    """(folder resolved, sample id) of every sample the run at `position` (a --position-dir or a run's
+    """The `sample_key` of every sample the run at `position` (a --position-dir or a run's
     checkpoint folder: its state.json) trained on: its --data as it stood then (folders grow only
-    at the end), cut as it cut them. The run must have gone through all of them at least once."""
+    at the end), cut as it cut them, with what its own --skip-trained-by run trained on. The run
+    must have gone through all of its samples at least once."""
     state_file = position / "state.json"
     if not state_file.is_file():
         raise BlockdraftError(f"--skip-trained-by: no state.json in {position}")
     state = json.loads(state_file.read_text())
     cfg = state["config"]
-    train, _, _ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"))
-    if cfg.get("skip_trained_by"):
-        done = trained_ids(Path(cfg["skip_trained_by"]))
-        train = [t for t in train if (str(t[3].resolve()), t[2]["id"]) not in done]
-    else:
-        done = set()
-    if cfg.get("limit_samples"):
-        train = train[: cfg["limit_samples"]]
-    elif not cfg.get("folder_samples"):
+    if not cfg.get("limit_samples") and not cfg.get("folder_samples"):
         raise BlockdraftError(f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
                               "so which of its folders' samples it trained on is not known")
+    done = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else set()
+    train, *_ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
+                                 cfg.get("limit_samples"), done)
     seen = state["step"] * cfg["batch_size"] * state.get("processes", 1)
     if seen < len(train):
         raise BlockdraftError(f"--skip-trained-by: {position} went through {seen:,} sequences, fewer than its "
                               f"{len(train):,} samples, so not all of them were trained on")
-    return done | {(str(t[3].resolve()), t[2]["id"]) for t in train}
+    return done | {sample_key(t[3], t[2]) for t in train}
 
 
 class Trainer:
@@ -201,15 +209,13 @@ class Trainer:
 
     def _load_samples(self):
         cfg = self.cfg
-        train, self.valid, self.folder_counts = training_samples(cfg.data, cfg.max_seq_len, cfg.folder_samples)
-        if cfg.skip_trained_by:
-            done = trained_ids(Path(cfg.skip_trained_by))
-            train = [t for t in train if (str(t[3].resolve()), t[2]["id"]) not in done]
-        if cfg.limit_samples:
-            train = train[: cfg.limit_samples]
+        skip = trained_ids(Path(cfg.skip_trained_by)) if cfg.skip_trained_by else frozenset()
+        train, valid, self.folder_counts, _ = training_samples(cfg.data, cfg.max_seq_len, cfg.folder_samples,
+                                                               cfg.limit_samples, skip)
         if not train:
             raise BlockdraftError(f"{cfg.data}: no training samples" + (
                 f" that {cfg.skip_trained_by} did not train on" if cfg.skip_trained_by else ""))
+        self.valid = [t[:3] for t in valid]
         return [t[:3] for t in train]
 
     def epoch_order(self, epoch: int) -> list[int]:
