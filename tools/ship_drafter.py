@@ -49,9 +49,8 @@ def data_summary(cfg: dict) -> tuple[collections.Counter, int, int, int, int]:
     settings train on; and how many its --skip-trained-by left out."""
     from blockdraft.train.trainer import trained_ids, training_samples
 
-    skip = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else frozenset()
     train, valid, _, skipped = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
-                                                None, skip)
+                                                None, trained_ids(cfg.get("skip_trained_by")))
     samples = [t[2] for t in train + valid]
     sources = collections.Counter(s["id"].split("/", 1)[0] for s in samples)
     return sources, len(train), len(valid), sum(bool(s.get("temperature")) for s in samples), skipped
@@ -162,10 +161,7 @@ def ship(args, run: Path, arch: str):
           for d in taus],
     ])
     sources, train, valid, sampled, skipped = data_summary(cfg)
-    if skipped:
-        folders_note = f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on"
-    else:
-        folders_note = ""
+    folders_note = f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on" if skipped else ""
     answers = ("greedily" if not sampled else
                f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)")
     folders = ", ".join(f"`{f}`" for f in cfg["data"].split(","))

@@ -99,12 +99,14 @@ def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | No
     return kept, valid, counts, skipped
 
 
-def trained_ids(position: Path) -> set[tuple[str, str]]:
+def trained_ids(position: str | Path | None) -> frozenset[tuple[str, str]]:
     """The `sample_key` of every sample the run at `position` (a --position-dir or a run's
     checkpoint folder: its state.json) trained on: its --data as it stood then (folders grow only
     at the end), cut as it cut them, with what its own --skip-trained-by run trained on. The run
-    must have gone through all of its samples at least once."""
-    state_file = position / "state.json"
+    must have gone through all of its samples at least once. None (no --skip-trained-by): none."""
+    if not position:
+        return frozenset()
+    state_file = Path(position) / "state.json"
     if not state_file.is_file():
         raise BlockdraftError(f"--skip-trained-by: no state.json in {position}")
     state = json.loads(state_file.read_text())
@@ -112,7 +114,7 @@ def trained_ids(position: Path) -> set[tuple[str, str]]:
     if not cfg.get("limit_samples") and not cfg.get("folder_samples"):
         raise BlockdraftError(f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
                               "so which of its folders' samples it trained on is not known")
-    done = trained_ids(Path(cfg["skip_trained_by"])) if cfg.get("skip_trained_by") else set()
+    done = trained_ids(cfg.get("skip_trained_by"))
     train, *_ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
                                  cfg.get("limit_samples"), done)
     seen = state["step"] * cfg["batch_size"] * state.get("processes", 1)
@@ -209,9 +211,8 @@ class Trainer:
 
     def _load_samples(self):
         cfg = self.cfg
-        skip = trained_ids(Path(cfg.skip_trained_by)) if cfg.skip_trained_by else frozenset()
         train, valid, self.folder_counts, _ = training_samples(cfg.data, cfg.max_seq_len, cfg.folder_samples,
-                                                               cfg.limit_samples, skip)
+                                                               cfg.limit_samples, trained_ids(cfg.skip_trained_by))
         if not train:
             raise BlockdraftError(f"{cfg.data}: no training samples" + (
                 f" that {cfg.skip_trained_by} did not train on" if cfg.skip_trained_by else ""))
