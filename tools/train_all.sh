@@ -16,6 +16,7 @@
 # SINCE=POSITION leaves out every sample the run at that committed position trained on
 # (--skip-trained-by): the shipped drafter goes on with only the answers added since it was made,
 #   SINCE=data/train-logs/positions/dspark-all NAME=dspark-new tools/train_all.sh 1
+# (a resumed run takes --skip-trained-by from its saved settings; SINCE then changes nothing)
 #
 # Ctrl-C (or SIGTERM) stops it at the end of a step with a checkpoint and the position written.
 set -euo pipefail
