@@ -66,6 +66,22 @@ def test_autograd_inputs_take_the_ordinary_path():
     assert x.grad is not None and not packed.packs.packed_weights
 
 
+def test_timing_a_small_weight_cycles_a_bounded_number_of_copies(monkeypatch):
+    """A kernel is timed over copies of the weight that outgrow the caches, but never more than
+    MEASURE_COPIES of them: a 16 x 16 weight would otherwise take 65,536 copies and as many packed
+    ones, which the allocator kept (3.2 GB) after they were freed."""
+    from blockdraft.models import packed
+
+    made = []
+    randn_like = torch.randn_like
+    monkeypatch.setattr(torch, "randn_like", lambda t, **kw: made.append(t.shape) or randn_like(t, **kw))
+    assert packed._measure(torch.randn(16, 16), None, 8) in available_kernels()
+    assert len(made) == packed.MEASURE_COPIES - 1
+    made.clear()
+    packed._measure(torch.randn(1024, 1024), None, 8)  # 4 MiB: 16 copies fill MEASURE_BYTES
+    assert len(made) == packed.MEASURE_BYTES // (1024 * 1024 * 4) - 1
+
+
 def test_pack_linears_keeps_ties_and_state_dict_keys_and_unpacks():
     class Tiny(nn.Module):
         def __init__(self):

@@ -119,6 +119,10 @@ def _run(kernel: str, flat: torch.Tensor, pack, weight: torch.Tensor, bias, size
 
 
 MEASURE_BYTES = 64 << 20  # weight copies cycled through when timing a kernel: more than a CPU's cache
+# At most this many copies: a weight under MEASURE_BYTES / MEASURE_COPIES (256 KiB; none of the
+# default target's) is timed over fewer bytes than that, where any kernel takes microseconds; the
+# 65,536 copies (and as many packed ones) of a 16 x 16 weight left the test process 3.2 GB larger.
+MEASURE_COPIES = 256
 
 
 def _measure(weight: torch.Tensor, bias, size: int, runs: int = 3) -> str:
@@ -127,7 +131,8 @@ def _measure(weight: torch.Tensor, bias, size: int, runs: int = 3) -> str:
     copies of the weight to outgrow the caches (a few-row product streams its weight from
     memory; timing one weight again and again, hot in cache, picked kernels that were 2x
     slower in the model on an AMD EPYC)."""
-    copies = [weight.detach()] + [torch.randn_like(weight) for _ in range(MEASURE_BYTES // (weight.numel() * 4) - 1)]
+    count = min(MEASURE_COPIES, MEASURE_BYTES // (weight.numel() * weight.element_size()))
+    copies = [weight.detach()] + [torch.randn_like(weight) for _ in range(count - 1)]
     repeat = max(1, 8 // len(copies))  # a weight larger than the caches: 8 products a run
     x = torch.randn(size, weight.shape[1], dtype=weight.dtype)
     best, best_time = "plain", float("inf")
