@@ -26,23 +26,19 @@ PROMPTS = [
 ]
 
 
-def _trim_heap():
-    """Hand the allocator's freed memory back to the system (glibc keeps it for reuse otherwise:
-    each module's models and buffers, freed, stayed in the worker's resident size)."""
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_each_module():
+    """Hand the allocator's freed memory back to the system after each module (glibc keeps it for
+    reuse otherwise: each module's models and buffers, freed, stayed in the worker's resident size)."""
     import ctypes
     import gc
 
+    yield
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_memory_after_each_module():
-    yield
-    _trim_heap()
 
 
 def computed_once(tmp_path_factory, name: str, compute):
