@@ -886,6 +886,28 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
     assert "stores what fits" not in capsys.readouterr().err
 
 
+def test_a_card_reads_the_committed_metrics_of_a_run_resumed_on_a_new_machine(tmp_path, monkeypatch):
+    """A run resumed from its committed position on a fresh machine has only its new steps in
+    RUN/metrics.jsonl; the card's τ curve takes the earlier ones from data/train-logs/NAME.metrics.jsonl
+    (the run folder's record winning for a step both hold), in step order."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import ship_drafter
+
+    logs, run = tmp_path / "train-logs", tmp_path / "runs" / "mine"
+    logs.mkdir()
+    run.mkdir(parents=True)
+    monkeypatch.setattr(ship_drafter, "TRAIN_LOGS", logs)
+    with pytest.raises(SystemExit, match="no metrics for"):
+        ship_drafter.run_metrics(run)
+    rec = lambda step, tau=None: json.dumps({"step": step, "elapsed": step, **({"tau": tau} if tau else {})})
+    (logs / "mine.metrics.jsonl").write_text("\n".join([rec(10, 1.5), rec(20), rec(30, 1.7)]) + "\n")
+    (run / "metrics.jsonl").write_text("\n".join([rec(30, 1.8), rec(40, 1.9)]) + "\n\n")
+    got = ship_drafter.run_metrics(run)
+    assert [(m["step"], m.get("tau")) for m in got] == [(10, 1.5), (20, None), (30, 1.8), (40, 1.9)]
+    (logs / "mine.metrics.jsonl").unlink()
+    assert [m["step"] for m in ship_drafter.run_metrics(run)] == [30, 40]
+
+
 @pytest.mark.parametrize("arch", ["dflash", "eagle3"])
 def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny_corpus, tmp_path, monkeypatch, arch):
     """tools/ship_drafter.py: the shipped copy is the run's drafter in fp16 and its card carries

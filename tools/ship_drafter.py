@@ -31,7 +31,8 @@ from experiments import records  # noqa: E402  (benchmarks/experiments.py)
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
-SCALING_LOG = DEST.parents[2] / "data" / "train-logs" / "experiments.jsonl"
+TRAIN_LOGS = DEST.parents[2] / "data" / "train-logs"
+SCALING_LOG = TRAIN_LOGS / "experiments.jsonl"
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench (first turns)", "gsm8k": "GSM8K"}
 # What each architecture's card says it is, and where it goes.
 KINDS = {
@@ -135,6 +136,18 @@ def measured_taus(args, run: Path, dest: Path, method: str) -> tuple[dict, dict,
     return taus, samples, max_new
 
 
+def run_metrics(run: Path) -> list[dict]:
+    """The run's metrics by step: its folder's metrics.jsonl merged with the committed log
+    data/train-logs/NAME.metrics.jsonl, where a run resumed on a new machine keeps its earlier steps."""
+    by_step = {}
+    for path in (TRAIN_LOGS / f"{run.name}.metrics.jsonl", run / "metrics.jsonl"):
+        if path.is_file():
+            by_step.update((m["step"], m) for m in (json.loads(l) for l in path.read_text().splitlines() if l))
+    if not by_step:
+        raise SystemExit(f"no metrics for {run}: neither {run / 'metrics.jsonl'} nor {TRAIN_LOGS / run.name}.metrics.jsonl")
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def ship(args, run: Path, arch: str):
     from blockdraft.draft import DFlashDrafter
     from blockdraft.eagle import EagleDrafter
@@ -144,7 +157,7 @@ def ship(args, run: Path, arch: str):
     cfg = state["config"]
     if cfg.get("arch", "dflash") != arch:
         raise SystemExit(f"{run} trained a {cfg.get('arch', 'dflash')} drafter, not {arch}")
-    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    metrics = run_metrics(run)
     parent = ancestry(cfg.get("init_from"), state)  # before the copy below may overwrite that folder
     drafter = (DFlashDrafter if arch == "dflash" else EagleDrafter).load(run / "drafter")
     drafter.save(kind["dest"], dtype=torch.float16)
