@@ -144,7 +144,8 @@ def run_metrics(run: Path) -> list[dict]:
         if path.is_file():
             by_step.update((m["step"], m) for m in (json.loads(l) for l in path.read_text().splitlines() if l))
     if not by_step:
-        raise SystemExit(f"no metrics for {run}: neither {run / 'metrics.jsonl'} nor {TRAIN_LOGS / run.name}.metrics.jsonl")
+        raise SystemExit(f"no metrics for {run}: neither {run / 'metrics.jsonl'} "
+                         f"nor {TRAIN_LOGS / run.name}.metrics.jsonl")
     return [by_step[k] for k in sorted(by_step)]
 
 
