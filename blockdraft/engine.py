@@ -26,6 +26,8 @@ from .draft import DFlashDrafter
 from .errors import BlockdraftError
 from .models import Transformer, load_target, load_tokenizer, stop_token_ids
 from .models.default import DEFAULT_TARGET_NAME, default_target_dir
+from .models.exact import make_exact
+from .precision import auto_dtype, explain
 from .models.packed import pack_linears, packing_available
 from .proposers import Proposer
 from .sampling import SamplingParams
@@ -80,10 +82,8 @@ class Row:
     stops: list[str] = field(default_factory=list)
 
 
-def default_device() -> tuple[torch.device, torch.dtype]:
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -115,6 +115,7 @@ class Engine:
         if eagle is not None:
             eagle.check_target(target.config)
         self.target_name = target_name
+        self.dtype_reason = "chosen"  # why the target runs in its dtype (`Engine.load`: measured for auto)
         self.draft_note = draft_note  # why there is no drafter, when there is none
         if drafter is not None:
             drafter.check_target(target.config)
@@ -124,7 +125,7 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_weights: str = "auto") -> "Engine":
+             draft_weights: str = "auto", exact: bool | None = None) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -132,14 +133,24 @@ class Engine:
         `packed` (fp32 on CPU): multiply decode- and verify-sized inputs (1-16 rows) through the
         kernel measured fastest on this CPU per weight shape and row count, on weights packed
         for it on first use (`models.packed`: plain sgemm, MKL's packed sgemm or oneDNN).
-        `dtype="q4_1"` runs the target's linear layers from 4-bit weights (CPU; for the default
+        `dtype`: a torch dtype, "auto" or None (default: bf16 on CUDA; on a CPU bf16 where its
+        products measure faster than fp32's, else fp32: `precision.auto_dtype`; the engine's
+        `dtype_reason` says why), or
+        `dtype="q4_1"`, which runs the target's linear layers from 4-bit weights (CPU; for the default
         target the GGUF file's own values, see `models.quant`); drafters as `draft_weights` says.
         `draft_weights`: "int8" runs the drafters' linear layers (and their share of the LM head)
         from int8 copies of their weights (CPU; `models.quant.quantize_drafter`): a draft pass
         reads 4x fewer bytes, the output is the target's either way; "float": the target's
-        floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float."""
-        dev, dt = default_device()
+        floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float.
+        `exact`: every product and attention row-independent (`models.exact`), so that a token
+        verified in a block gets bit for bit the logits it gets decoded alone; default: on for
+        bf16 / fp16 targets (q4_1 targets are made so by `models.quant`), off for fp32, where
+        the fastest kernel per row count runs (`packed`)."""
+        dev = default_device()
+        if dtype == "auto":
+            dtype = None
         quantized = dtype if isinstance(dtype, str) else None
+        reason = "chosen"
         if quantized is not None:
             from .models.quant import QUANTIZED
 
@@ -147,7 +158,12 @@ class Engine:
                 raise BlockdraftError(f"unknown weight format {quantized!r}; choose a torch dtype or one of "
                                       f"{', '.join(QUANTIZED)}")
             dev, dtype = torch.device("cpu"), torch.float32
-        device, dtype = torch.device(device or dev), dtype or dt
+        device = torch.device(device or dev)
+        if dtype is None:
+            choice = auto_dtype(device)
+            dtype, reason = choice.dtype, choice.reason
+        elif quantized is None:
+            reason = explain(dtype, device)
         draft_weights = resolve_draft_weights(draft_weights, device, dtype)
         folder = Path(target) if target else default_target_dir()
         model = load_target(folder, device, dtype)
@@ -158,7 +174,11 @@ class Engine:
             quantize_target(model, gguf_path() if target is None else None)
         tokenizer = load_tokenizer(folder)
         packed = packed and packing_available()  # (a quantized target has no fp32 linears left; drafters do)
-        if packed:
+        if exact is None:  # bf16 / fp16 activations turn last-bit differences into other tokens
+            exact = quantized is None and dtype in (torch.bfloat16, torch.float16)
+        if exact and quantized is None:
+            make_exact(model)
+        elif packed:
             pack_linears(model)
         note = None
         if use_draft and draft is None:
@@ -167,10 +187,19 @@ class Engine:
                 note = "no trained drafter is shipped for this target yet: pass --draft DIR, or use --method ar"
         engine = cls(model, tokenizer, None, target_name=str(folder), draft_note=note,
                      default_target=target is None, packed=packed, draft_weights=draft_weights)
+        engine.dtype_reason = reason
         for name, path in ((drafters.PRIMARY, draft if use_draft else None), ("eagle3", eagle)):
             if path is not None:
                 setattr(engine, drafters.kind(name).engine_slot, engine.load_drafter(name, path))
         return engine
+
+    def precision(self) -> dict:
+        """What the target runs in and why: {"dtype", "dtype_reason", "exact"} ("exact": every
+        verified token's logits are, bit for bit, those of a plain step; see `models.exact`)."""
+        exactness = getattr(self.target, "exactness", None)
+        quantization = getattr(self.target, "quantization", None)
+        exact = exactness["exact"] if exactness else bool(quantization and quantization.get("exact_attention"))
+        return {"dtype": self.weights, "dtype_reason": self.dtype_reason, "exact": exact}
 
     def load_drafter(self, kind: str, folder):
         """A drafter folder of that kind, ready to decode with this engine's target, draft weights

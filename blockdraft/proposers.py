@@ -159,8 +159,9 @@ class DFlashTreeProposer(DFlashProposer):
                  draft_window: int | str | None = "auto"):
         if target.attention_chunk:
             raise BlockdraftError(
-                "tree verification needs float32 target weights: with quantized weights a token "
-                "verified in a tree is not bit-identical to the same token decoded alone")
+                "tree verification runs on float32 targets only for now: in exact mode (bf16, fp16 and q4_1 "
+                "targets) a token verified in a tree is not yet bit-identical to the same token decoded alone; "
+                "use a chain method (dflash, dflash-cut) or --dtype float32")
         if target.recurrent:
             raise BlockdraftError(
                 "tree verification needs a target without recurrent layers: linear attention keeps one "

@@ -20,6 +20,7 @@ from blockdraft.proposers import DFlashProposer, Draft, Proposer
 from blockdraft.sequences import Request, SequenceState
 from blockdraft.train.blocks import IGNORE, build_blocks
 from blockdraft.train.config import TrainConfig
+from blockdraft.errors import BlockdraftError
 from blockdraft.train.trainer import Trainer
 
 from .conftest import save_tiny_hf
@@ -1104,3 +1105,56 @@ def test_convert_feature_cache_copies_every_record_as_int8(tiny_corpus, tmp_path
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == before
     src.close()
     dst.close()
+
+
+# ---- D-PACE (--position-weights dpace) ----------------------------------------------------------
+
+
+def test_dpace_weights_are_the_expected_acceptance_riding_on_each_position():
+    """Per block: smoothed confidences q~ = (1 - a) q + a, prefix products P_m (all drafts up to m
+    accepted), weight_k = sum_{m >= k} P_m; the unlabelled anchor slot passes through, an unlabelled
+    slot past the sequence's end ends the block."""
+    from blockdraft.train.loss import dpace_weights
+
+    q = torch.tensor([[0.0, 0.8, 0.4, 0.6, 0.0, 0.9, 0.2, 0.0]])  # two blocks of 4
+    labelled = torch.tensor([[False, True, True, True, False, True, True, False]])
+    offsets = torch.arange(4).repeat(2)[None]
+    w = dpace_weights(q, labelled, offsets, 4, alpha=0.5)
+    s = [0.5 * x + 0.5 for x in (0.8, 0.4, 0.6)]
+    p = [s[0], s[0] * s[1], s[0] * s[1] * s[2]]
+    t = [0.95, 0.95 * 0.6]
+    want = [0.0, p[0] + p[1] + p[2], p[1] + p[2], p[2], 0.0, t[0] + t[1], t[1], 0.0]
+    torch.testing.assert_close(w, torch.tensor([want]))
+    assert dpace_weights(q.requires_grad_(), labelled, offsets, 4, 0.5).requires_grad is False
+
+
+def test_dpace_loss_is_the_weighted_cross_entropy_per_block(tmp_path):
+    """The loss is sum_k weight_k * CE_k over the batch's blocks, divided by the number of blocks,
+    with weights from this step's own confidences (detached: the gradient is that of the weighted CE)."""
+    import torch.nn.functional as F
+
+    from blockdraft.train.loss import dpace_weights, weighted_loss
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, 16, generator=gen, requires_grad=True)
+    head = torch.randn(12, 16, generator=gen)
+    labels = torch.randint(0, 12, (2, 8), generator=gen)
+    offsets = torch.arange(4).repeat(2).expand(2, -1)
+    labels[offsets == 0] = IGNORE
+    labels[1, 7] = IGNORE  # past the sequence's end
+    weights = (labels != IGNORE).float()
+    loss, _, _ = weighted_loss(hidden, head, labels, weights, offsets, 4, 5, dpace_alpha=0.5)
+    keep = labels != IGNORE
+    ce = torch.zeros(2, 8)
+    ce[keep] = F.cross_entropy(F.linear(hidden[keep], head), labels[keep], reduction="none")
+    w = dpace_weights(torch.exp(-ce.detach()) * keep, keep, offsets, 4, 0.5)
+    want = (w * ce).sum() / 4
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    (want_grad,) = torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(grad, want_grad)
+
+
+def test_position_weights_are_checked_when_a_run_starts(tiny_corpus, tmp_path):
+    with pytest.raises(BlockdraftError, match="--position-weights must be decay or dpace"):
+        Trainer(tiny_config(tiny_corpus[0], tmp_path / "run", position_weights="dpac"))

@@ -256,6 +256,7 @@ def machine_info(engine) -> dict:
     return {"platform": platform.platform(), "processor": cpu_name(),
             "threads": torch.get_num_threads(), "device": str(engine.target.device),
             "dtype": str(engine.target.dtype), "weights": engine.weights,
+            **{k: v for k, v in engine.precision().items() if k != "dtype"},
             "draft_weights": engine.draft_weights, "torch": torch.__version__}
 
 

@@ -15,7 +15,7 @@ def cmd_generate(args) -> int:
     spec = spec_from(args)
     if args.json:
         out = engine.generate(args.prompt, method=spec, **kwargs)
-        print(json.dumps(out.to_dict()))
+        print(json.dumps({**out.to_dict(), **engine.precision()}))
         return 0
     out = engine.generate(args.prompt, method=spec,
                           on_text=lambda _i, piece: print(piece, end="", flush=True), **kwargs)

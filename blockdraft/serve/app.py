@@ -38,7 +38,8 @@ class Server:
                  shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0,
                  max_requests: int | None = None):
         self.engine, self.model_name = engine, model_name
-        self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16))
+        precision = engine.precision() if hasattr(engine, "precision") else None
+        self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16), precision=precision)
         self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
                                    max_model_len=max_model_len, block_size=block_size, adaptive=adaptive,
                                    metrics=self.metrics)

@@ -10,9 +10,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    def __init__(self, scheduler_ref=lambda: None, max_block: int = 16):
+    def __init__(self, scheduler_ref=lambda: None, max_block: int = 16, precision: dict | None = None):
         r = self.registry = CollectorRegistry()
         p = "blockdraft_"
+        if precision is not None:  # what the target runs in and why (`Engine.precision`), as an info gauge
+            info = Gauge(p + "target_precision_info", "The target's dtype, why it was chosen, and whether "
+                         "speculation is bit-exact", ["dtype", "exact", "reason"], registry=r)
+            info.labels(precision["dtype"], str(precision["exact"]).lower(), precision["dtype_reason"]).set(1)
         self.requests = Counter(p + "requests", "Finished HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)

@@ -29,6 +29,10 @@ class TrainConfig:
     anchor_mode: str = _opt("random", "random | fixed (block boundaries, for the ablation)")
     gamma: float | None = _opt(None, "loss decay over block positions (default: the recipe's value for the block "
                                      "size; 0: no decay)")
+    position_weights: str = _opt("decay", "how the loss weighs block positions: decay (fixed, exp(-(k-1)/gamma)) | "
+                                          "dpace (D-PACE: from the drafter's own confidences, the expected "
+                                          "acceptance that rides on each position)")
+    dpace_alpha: float = _opt(0.5, "D-PACE's confidence smoothing: each confidence q counts as (1-alpha) q + alpha")
     arch: str = _opt("dflash", "dflash | eagle3 (the EAGLE-3-style baseline, same data and pipeline)")
     context_mode: str = _opt("kv", "kv (context injected in every layer) | input (first layer only, for the ablation)")
     sliding_window: int | None = _opt(None, ">0: drafter layers see the context within this window")

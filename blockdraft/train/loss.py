@@ -19,8 +19,27 @@ def previous_tokens(batch) -> torch.Tensor:
     return batch.tokens.gather(1, (batch.block_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
 
 
+def dpace_weights(confidence: torch.Tensor, labelled: torch.Tensor, offsets: torch.Tensor, block_size: int,
+                  alpha: float) -> torch.Tensor:
+    """D-PACE position weights (dynamic position-aware cross-entropy), detached.
+
+    `confidence` [N, A*B]: the drafter's probability of each labelled position's label (its chance
+    of drafting it); `labelled` the positions with a label. Per block, each confidence is
+    smoothed to (1 - alpha) q + alpha; the product up to position m is the chance that a verify
+    accepts every draft up to m; a position's weight is the sum of those products from it to the
+    block's end: how much expected acceptance rides on it. An unlabelled anchor slot passes
+    acceptance through (factor 1, weight 0); an unlabelled slot after it (past the sequence's end)
+    ends the block."""
+    n = confidence.shape[0]
+    q = ((1 - alpha) * confidence.detach().float() + alpha)
+    factor = torch.where(labelled, q, (offsets == 0).float()).view(n, -1, block_size)
+    reach = torch.cumprod(factor, -1) * labelled.view(n, -1, block_size)
+    weight = reach.flip(-1).cumsum(-1).flip(-1)
+    return (weight * labelled.view(n, -1, block_size)).view_as(confidence)
+
+
 def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
-                  teacher=None, distill: float = 0.0, markov=None):
+                  teacher=None, distill: float = 0.0, markov=None, dpace_alpha: float | None = None):
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
     `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
@@ -29,7 +48,9 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     each label (ids -1: none); with `distill` > 0 the loss mixes in the cross-entropy against
     that distribution, renormalized over those of its tokens the drafter scores: (1 - distill) *
     hard + distill * soft. `markov`: (a Markov head, the token before each position [same shape
-    as labels]): its correction is added to the logits. Returns (loss, per-offset correct
+    as labels]): its correction is added to the logits. `dpace_alpha`: weigh positions by
+    `dpace_weights` from this step's own confidences instead of `weights` (which then only mark the
+    labelled positions), the sum normalized by the number of blocks. Returns (loss, per-offset correct
     counts, per-offset totals), all on the hidden states' device."""
     keep = labels != IGNORE
     h, y, w, k = hidden[keep], labels[keep], weights[keep], offsets[keep]
@@ -52,6 +73,7 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
     # Recompute each chunk's logits in backward only when keeping them all would be large (a full
     # vocabulary): with a draft vocabulary they are kept, saving a third of the head's cost.
     remat = h.shape[0] * lm_head_weight.shape[0] > REMAT_LOGITS_ABOVE
+    ces, soft_ces = [], []
     for s in range(0, h.shape[0], chunk):
         part_slice = slice(s, s + chunk)
 
@@ -70,12 +92,28 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
         else:
             out = part(*args)
         ce, pred = out[0], out[1]
-        chunk_loss = (ce * w_hard[part_slice]).sum()
-        if t is not None:
-            chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
-        total = total + chunk_loss
+        if dpace_alpha is not None:  # weighed once every position's confidence is known
+            ces.append(ce)
+            soft_ces.append(out[2] if t is not None else None)
+        else:
+            chunk_loss = (ce * w_hard[part_slice]).sum()
+            if t is not None:
+                chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
+            total = total + chunk_loss
         hit = (pred == y[part_slice]) & (w_hard[part_slice] > 0) if to_draft is not None else pred == y[part_slice]
         correct += torch.bincount(k[part_slice][hit], minlength=block_size)
+    if dpace_alpha is not None:
+        if not ces:
+            return total, correct, count
+        ce = torch.cat(ces)
+        confidence = torch.zeros(labels.shape, device=h.device)
+        confidence[keep] = torch.exp(-ce.detach()) * (w_hard > 0)  # a label outside the draft vocabulary: a miss
+        dw = dpace_weights(confidence, keep, offsets, block_size, dpace_alpha)[keep]
+        total = (ce * dw * (w_hard > 0)).sum()
+        if t is not None:
+            total = (1 - distill) * total + distill * (torch.cat(soft_ces) * dw).sum()
+        blocks = keep.view(keep.shape[0], -1, block_size).any(-1).sum()
+        return total / blocks.clamp(min=1), correct, count
     norm = w.sum() if t is not None else w_hard.sum()
     return total / norm.clamp(min=1e-6), correct, count
 

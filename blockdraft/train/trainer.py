@@ -155,6 +155,11 @@ class Trainer:
             cfg.mask_token_id = DEFAULT_MASK_TOKEN_ID
         self.kind = drafters.kind(cfg.arch)
         self.gamma = loss_decay_gamma(cfg.block_size) if cfg.gamma is None else (cfg.gamma or None)
+        if cfg.position_weights not in ("decay", "dpace"):
+            raise BlockdraftError(f"--position-weights must be decay or dpace, not {cfg.position_weights!r}")
+        if not 0 < cfg.dpace_alpha <= 1:
+            raise BlockdraftError(f"--dpace-alpha must be in (0, 1], not {cfg.dpace_alpha}")
+        self.dpace_alpha = cfg.dpace_alpha if cfg.position_weights == "dpace" else None
         if cfg.epochs and cfg.folder_samples is None and resume and (self.out / "checkpoint" / "state.json").is_file():
             saved = json.loads((self.out / "checkpoint" / "state.json").read_text())["config"]
             cfg.folder_samples = saved.get("folder_samples")  # the samples the run started with
@@ -262,7 +267,8 @@ class Trainer:
             loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
                                                  batch.labels.to(dev), batch.weights.to(dev),
                                                  batch.offsets.to(dev), cfg.block_size, cfg.lm_head_chunk,
-                                                 self.to_draft, teacher, cfg.distill, self.markov_inputs(batch))
+                                                 self.to_draft, teacher, cfg.distill, self.markov_inputs(batch),
+                                                 self.dpace_alpha)
         lr = lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -1,0 +1,182 @@
+"""Exact speculation in every dtype (`models.exact`): a token verified in a block gets bit for bit
+the logits of the plain one-token step, so every method's output equals `ar`'s in bf16 and fp16
+too, greedy and seeded sampling, alone and in batches; a width-dependent kernel is caught."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockdraft.batcher import generate_steps
+from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.models import exact, load_target
+from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
+from blockdraft.sampling import SamplingParams
+from blockdraft.sequences import Request
+
+from .conftest import PROMPTS, save_tiny_hf
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def split_sum(x, w, b=None):
+    """A width-dependent product (the bug class): one row as `F.linear`; several rows as two
+    half-width products rounded to the dtype and added (another summation order)."""
+    if x.shape[0] == 1:
+        return F.linear(x, w, b)
+    k = x.shape[1] // 2
+    out = F.linear(x[:, :k], w[:, :k]) + F.linear(x[:, k:], w[:, k:])
+    return out if b is None else out + b
+
+
+@pytest.mark.parametrize("dtype", (torch.float32,) + LOW)
+def test_the_check_refuses_a_width_dependent_product_and_passes_the_kernel_it_picks(dtype):
+    w = torch.randn(96, 64).to(dtype)
+    assert not exact._row_independent(split_sum, w, None)
+    kernel = exact.exact_kernel(w)
+    assert kernel is not None
+    assert exact._row_independent(exact._kernels(w)[kernel], w, None)
+    # and the layer runs it: a row's product is the same alone, among 70 rows, and past the call limit
+    layer = exact.ExactLinear.wrap(torch.nn.Linear(64, 96, bias=False).to(dtype), kernel)
+    x = torch.randn(70, 64).to(dtype)
+    with torch.inference_mode():
+        together = layer(x)
+        assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in (0, 33, 65, 69))
+
+
+# ---- a tiny target, every dtype: near ties are everywhere, so any inexactness shows -----------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-exact")
+    save_tiny_hf("llama", path, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
+def tiny(path, dtype):
+    target = load_target(path, dtype=dtype)
+    summary = exact.make_exact(target)
+    assert summary["exact"] and summary["attention_chunk"] == exact.ATTENTION_CHUNK
+    torch.manual_seed(3)
+    cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=63)
+    return target, DFlashDrafter(cfg).to(dtype).eval()
+
+
+def prompts24():
+    """24 prompts of 1 to 70 tokens; some repeat themselves, so prompt lookup drafts get accepted."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(24):
+        n = 1 + (i * 37) % 70
+        ids = torch.randint(0, 60, (n,), generator=gen).tolist()
+        out.append(ids if i % 3 else (ids[: max(1, n // 3)] * 4)[:n])
+    return out
+
+
+def run(target, proposer, prompts, block, *, temperature=0.0, batch_size=None, adaptive=False, max_new=24,
+        first=0):
+    """Output ids of each prompt; with a temperature prompt i samples with seed 100 + first + i."""
+    reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=(),
+                    sampling=SamplingParams(temperature, seed=100 + first + i) if temperature else SamplingParams())
+            for i, p in enumerate(prompts)]
+    states = []
+    list(generate_steps(target, proposer, reqs, block, states, batch_size=batch_size, adaptive=adaptive))
+    return [s.output_ids for s in states]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("temperature", (0.0, 1.0))
+def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, dtype, temperature):
+    target, drafter = tiny(tiny_path, dtype)
+    prompts = prompts24()
+    with torch.inference_mode():
+        ar = [run(target, Proposer(), [p], 1, temperature=temperature, first=i)[0]  # one row a step
+              for i, p in enumerate(prompts)]
+        assert run(target, Proposer(), prompts, 1, temperature=temperature) == ar  # 24 rows a step
+        for block in (4, 8):
+            assert run(target, DFlashProposer(drafter, target), prompts, block, temperature=temperature) == ar
+        assert run(target, DFlashProposer(drafter, target), prompts, 8, temperature=temperature,
+                   adaptive=True) == ar  # dflash-cut's policy: the verified width changes step to step
+        assert run(target, LookupProposer(), prompts, 4, temperature=temperature, batch_size=5) == ar
+
+
+def test_a_width_dependent_product_changes_speculative_output(tiny_path, monkeypatch):
+    """The comparison above catches the bug it is for: with one product made width-dependent
+    (the mutant `split_sum`), speculative output leaves plain decoding's on the same prompts."""
+    target, drafter = tiny(tiny_path, torch.bfloat16)
+    layer = target.model.layers[1].mlp.down_proj
+    with torch.inference_mode():
+        layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # the product keeps its kernel now
+    monkeypatch.setattr(layer.product, "_fn", split_sum)
+    prompts = prompts24()
+    with torch.inference_mode():
+        ar = [run(target, Proposer(), [p], 1)[0] for p in prompts]
+        spec = run(target, DFlashProposer(drafter, target), prompts, 8)
+    assert spec != ar
+
+
+# ---- the default target, as a user runs it --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_engine():
+    from blockdraft import Engine
+
+    return Engine.load(dtype=torch.bfloat16)
+
+
+def test_bf16_engine_is_exact_and_says_so(bf16_engine):
+    info = bf16_engine.precision()
+    assert info["dtype"] == "bfloat16" and info["exact"] and info["dtype_reason"].startswith("chosen")
+    assert bf16_engine.target.attention_chunk == exact.ATTENTION_CHUNK
+
+
+def test_default_target_in_bf16_speculates_exactly(bf16_engine):
+    """The shipped DFlash drafter gives `ar`'s bf16 tokens on chat prompts of different lengths,
+    in one batch (before exactness: 7 of 12 prompts equal within 48 tokens on a 2-core AMD EPYC)."""
+    prompts = PROMPTS[:8]
+    ar = [g.token_ids for g in bf16_engine.generate(prompts, chat=True, method="ar", max_new_tokens=12)]
+    assert [g.token_ids for g in bf16_engine.generate(prompts, chat=True, method="dflash", max_new_tokens=12)] == ar
+
+
+@pytest.mark.slow
+def test_default_target_in_bf16_speculates_exactly_with_every_method(bf16_engine):
+    """The shipped drafters and prompt lookup give `ar`'s bf16 tokens on 24 chat prompts of
+    different lengths, all in one batch."""
+    e = bf16_engine
+    prompts = PROMPTS + [p + " Answer briefly." for p in PROMPTS] + ["Why?", "Name a colour.", "2+2=",
+                                                                      "Continue: 1, 2, 3,"]
+    assert len(prompts) == 24
+    ar = [g.token_ids for g in e.generate(prompts, chat=True, method="ar", max_new_tokens=12)]
+    for method in ("dflash", "dflash-cut", "eagle3@4", "lookup"):
+        assert [g.token_ids for g in e.generate(prompts, chat=True, method=method, max_new_tokens=12)] == ar, method
+
+
+# ---- dtype auto: measured, and said -----------------------------------------------------------
+
+
+def test_auto_picks_bf16_only_where_this_cpu_multiplies_it_faster(monkeypatch):
+    from blockdraft import precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "bf16_speedup", lambda: 2.4)
+    choice = precision.auto_dtype(cpu)
+    assert choice.dtype == torch.bfloat16 and "2.40x as fast as fp32" in choice.reason
+    assert precision.explain(torch.bfloat16, cpu) == "chosen"
+    monkeypatch.setattr(precision, "bf16_speedup", lambda: 0.4)
+    choice = precision.auto_dtype(cpu)
+    assert choice.dtype == torch.float32 and "0.40x" in choice.reason and "under the 1.2x" in choice.reason
+    assert "note: " in precision.explain(torch.bfloat16, cpu)  # allowed, with what was measured
+    assert precision.auto_dtype(torch.device("cuda")).dtype == torch.bfloat16
+
+
+def test_the_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
+    from blockdraft import precision
+
+    monkeypatch.setenv("BLOCKDRAFT_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(precision, "product_seconds", lambda dtype, **_: calls.append(dtype) or
+                        (0.004 if dtype == torch.float32 else 0.001))
+    assert precision.bf16_speedup() == 4.0 and precision.bf16_speedup() == 4.0
+    assert calls == [torch.float32, torch.bfloat16]
