@@ -157,11 +157,6 @@ class DFlashTreeProposer(DFlashProposer):
 
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, top_k: int = 32, tree_nodes: int = 16,
                  draft_window: int | str | None = "auto"):
-        if target.attention_chunk:
-            raise BlockdraftError(
-                "tree verification runs on float32 targets only for now: in exact mode (bf16, fp16 and q4_1 "
-                "targets) a token verified in a tree is not yet bit-identical to the same token decoded alone; "
-                "use a chain method (dflash, dflash-cut) or --dtype float32")
         if target.recurrent:
             raise BlockdraftError(
                 "tree verification needs a target without recurrent layers: linear attention keeps one "

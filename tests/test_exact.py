@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from blockdraft.batcher import generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import exact, load_target
-from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
+from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams
 from blockdraft.sequences import Request
 
@@ -99,6 +99,8 @@ def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, d
         assert run(target, DFlashProposer(drafter, target), prompts, 8, temperature=temperature,
                    adaptive=True) == ar  # dflash-cut's policy: the verified width changes step to step
         assert run(target, LookupProposer(), prompts, 4, temperature=temperature, batch_size=5) == ar
+        tree = DFlashTreeProposer(drafter, target, top_k=3, tree_nodes=10)  # nodes in other slots than positions
+        assert run(target, tree, prompts, tree.default_block_size, temperature=temperature) == ar
 
 
 def test_a_width_dependent_product_changes_speculative_output(tiny_path, monkeypatch):
@@ -142,14 +144,14 @@ def test_default_target_in_bf16_speculates_exactly(bf16_engine):
 
 @pytest.mark.slow
 def test_default_target_in_bf16_speculates_exactly_with_every_method(bf16_engine):
-    """The shipped drafters and prompt lookup give `ar`'s bf16 tokens on 24 chat prompts of
-    different lengths, all in one batch."""
+    """The shipped drafters (chains, cut chains and trees) and prompt lookup give `ar`'s bf16
+    tokens on 24 chat prompts of different lengths, all in one batch."""
     e = bf16_engine
     prompts = PROMPTS + [p + " Answer briefly." for p in PROMPTS] + ["Why?", "Name a colour.", "2+2=",
                                                                       "Continue: 1, 2, 3,"]
     assert len(prompts) == 24
     ar = [g.token_ids for g in e.generate(prompts, chat=True, method="ar", max_new_tokens=12)]
-    for method in ("dflash", "dflash-cut", "eagle3@4", "lookup"):
+    for method in ("dflash", "dflash-cut", "dflash-tree@8", "eagle3@4", "lookup"):
         assert [g.token_ids for g in e.generate(prompts, chat=True, method=method, max_new_tokens=12)] == ar, method
 
 
@@ -180,3 +182,43 @@ def test_the_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
                         (0.004 if dtype == torch.float32 else 0.001))
     assert precision.bf16_speedup() == 4.0 and precision.bf16_speedup() == 4.0
     assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_a_tree_node_meets_its_keys_as_it_would_decoded_alone():
+    """Gathered attention (`attend_gathered`): each node of a token tree, whose ancestors sit in
+    other cache slots than their positions, gets bit for bit the attention output of the same
+    token decoded alone (context then ancestors in consecutive slots). The plain chunked attention
+    over the tree's scattered slots does not (a sum in another order), which is why trees gather."""
+    from blockdraft.models.layers import attend_chunked, attend_gathered, chunked_mask, gathered_keys
+
+    heads, kv, d, chunk = 9, 3, 64, exact.ATTENTION_CHUNK
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5]  # ancestors before descendants, as trees are laid out
+    t = len(parents)
+
+    def path(i):
+        return path(parents[i]) + [i] if i >= 0 else []
+    gen = torch.Generator().manual_seed(0)
+    gathered_wrong = scattered_wrong = 0
+    for context in (5, 60, 130, 200):
+        slots = -(-(context + t) // chunk) * chunk
+        q = torch.randn(1, heads, t, d, generator=gen)
+        k, v = (torch.randn(1, kv, slots, d, generator=gen) for _ in range(2))
+        visible = torch.zeros(1, t, slots, dtype=torch.bool)
+        visible[:, :, :context] = True
+        for i in range(t):
+            visible[0, i, [context + a for a in path(i)]] = True
+        order, additive = gathered_keys(visible, torch.tensor([context]), chunk, heads // kv)
+        gathered = attend_gathered(q, k, v, order, additive, chunk)
+        scattered = attend_chunked(q, k, v, chunked_mask(visible[:, None], heads // kv), chunk)
+        for i in range(t):
+            idx = list(range(context)) + [context + a for a in path(i)]
+            n = -(-len(idx) // chunk) * chunk
+            ka, va = (torch.zeros(1, kv, n, d) for _ in range(2))
+            ka[:, :, :len(idx)], va[:, :, :len(idx)] = k[:, :, idx], v[:, :, idx]
+            seen = torch.zeros(1, 1, 1, n, dtype=torch.bool)
+            seen[..., :len(idx)] = True
+            alone = attend_chunked(q[:, :, i:i + 1], ka, va, chunked_mask(seen, heads // kv), chunk)
+            gathered_wrong += not torch.equal(alone, gathered[:, :, i:i + 1])
+            scattered_wrong += not torch.equal(alone, scattered[:, :, i:i + 1])
+    assert gathered_wrong == 0
+    assert scattered_wrong > 0

@@ -504,7 +504,13 @@ def test_warm_start_from_a_saved_drafter_and_a_clear_error_on_a_shape_mismatch(t
     saved = DFlashDrafter.load(tmp_path / "a" / "drafter").state_dict()
     assert all(torch.equal(saved[k].float(), v.float()) for k, v in warm.drafter.state_dict().items())
     with pytest.raises(BlockdraftError, match="another shape"):
-        Trainer(tiny_config(root, tmp_path / "c", num_layers=3, init_from=str(tmp_path / "a" / "drafter")))
+        Trainer(tiny_config(root, tmp_path / "c", target_layer_ids=[1, 3], init_from=str(tmp_path / "a" / "drafter")))
+    # a deeper drafter: the saved layers, and its own fresh initialization past them
+    fresh = Trainer(tiny_config(root, tmp_path / "d", num_layers=3)).drafter.state_dict()
+    deeper = Trainer(tiny_config(root, tmp_path / "e", num_layers=3, init_from=str(tmp_path / "a" / "drafter")))
+    for k, v in deeper.drafter.state_dict().items():
+        want = fresh[k] if k.startswith("layers.2.") else saved[k]
+        assert torch.equal(want.float(), v.float()), k
 
 
 def test_warm_start_keeps_the_saved_draft_vocabulary_on_other_data(tiny_corpus, tmp_path):

@@ -11,12 +11,14 @@
 # samples, anchors and seed; both warm-started from the shipped DSpark drafter (block 4) and trained at
 # block 16, held-out decode tau at block 16 at steps 200 and 400 (32 prompts, 96 new tokens). The first
 # arm fills the feature cache (int8, rounded as stored for both arms), the second reads it.
+# Stage layers: 5 decoder layers against 3 at equal training CPU (see the stage), the A/B's winning
+# position weights; judged in tokens/s by `blockdraft bench` (docs/training.md has the commands).
 # The target runs in float32 for training on a CPU without native bf16 products (bf16 costs ~45 s a
 # step there against ~4 s), in bfloat16 where `blockdraft.precision` says bf16 is fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bd=.venv/bin/blockdraft
-stages=${STAGES:-dpace}
+stages=${STAGES:-dpace layers}
 main=data/regen/smollm2-135m-instruct
 data=$(ls -d $main $main-* | paste -sd, -)
 dtype=${DTYPE:-float32}
@@ -39,11 +41,42 @@ run_arm() {  # NAME STEPS ARGS...: train (or resume) one arm, then keep its metr
     cp "runs/$name/metrics.jsonl" "data/train-logs/$name.metrics.jsonl"
 }
 
+winner() {  # the A/B's position weights: the higher decode tau at the last step (decay on a tie)
+    .venv/bin/python - <<'PY'
+import json
+def tau(name):
+    return [r["tau"] for r in map(json.loads, open(f"data/train-logs/ab16-{name}.metrics.jsonl")) if "tau" in r][-1]
+print("dpace" if tau("dpace") > tau("decay") else "decay")
+PY
+}
+
 for stage in $stages; do
     case $stage in
         dpace)
             run_arm ab16-decay 400 "${ab[@]}" --position-weights decay
             run_arm ab16-dpace 400 "${ab[@]}" --position-weights dpace
+            ;;
+        layers)
+            # 5 layers against 3 at equal training CPU: the 5-layer arm (the shipped drafter's 3 layers and 2
+            # fresh ones, the same 3 target layers) is timed on a 20-step probe, then runs the steps that cost what the
+            # 3-layer arm's 400 did (both reading the feature cache: seconds of steps 10-20 compared)
+            weights=$(winner)
+            if [[ ! -f runs/ab16-l5-probe/metrics.jsonl ]]; then  # a throwaway run, to time the steps
+                $bd train --out runs/ab16-l5-probe "${ab[@]}" --num-layers 5 --target-layer-ids 1 14 27 \
+                    --position-weights "$weights" --max-steps 20 --eval-prompts 1 --eval-max-new-tokens 4
+            fi
+            steps=$(.venv/bin/python - <<'PY'
+import json, sys
+def seconds(name):  # seconds of steps 10..20
+    recs = {r["step"]: r["elapsed"] for r in map(json.loads, open(name)) if "elapsed" in r}
+    return recs[20] - recs[10]
+three = seconds("data/train-logs/ab16-dpace.metrics.jsonl")  # 3 layers, reading the cache as the probe does
+print(max(20, round(400 * three / seconds("runs/ab16-l5-probe/metrics.jsonl"))))
+PY
+)
+            echo "wide-block job: the 5-layer arm gets $steps steps"
+            run_arm ab16-l5 "$steps" "${ab[@]}" --num-layers 5 --target-layer-ids 1 14 27 \
+                --position-weights "$weights" --max-steps "$steps"
             ;;
         *) echo "wide-block job: unknown stage $stage" >&2; exit 2 ;;
     esac

@@ -197,6 +197,39 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: 
     return out.view(b, h, t, d)
 
 
+def gathered_keys(visible: torch.Tensor, first: torch.Tensor, chunk: int,
+                  heads_per_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `attend_gathered`: visible [B, T, S] bool (which cache slots each query sees), first
+    [B] each row's first tree slot (its committed length) -> (each query's slots in the order of
+    its own sequence: every context slot, then the tree slots it sees, padded to whole chunks
+    [B, T, N]; the additive mask over them [B*T, 1, G, N], which hides what `visible` hides)."""
+    b, t, s = visible.shape
+    slot = torch.arange(s, device=visible.device)
+    keep = visible | (slot < first[:, None, None])  # context slots keep their places, seen or not
+    n = max(chunk, -(-int(keep.sum(-1).max()) // chunk) * chunk)
+    order = torch.where(keep, slot, s + slot).argsort(-1)  # kept slots first, each in slot order
+    if n > s:
+        order = torch.cat([order, order[..., :1].expand(b, t, n - s)], -1)
+    order = order[..., :n]
+    valid = visible.gather(2, order.clamp(max=s - 1)) & (torch.arange(n, device=visible.device)
+                                                           < keep.sum(-1, keepdim=True))
+    return order, chunked_mask(valid.reshape(b * t, 1, 1, n), heads_per_kv)
+
+
+def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor, additive: torch.Tensor,
+                    chunk: int) -> torch.Tensor:
+    """`attend_chunked` for queries that see scattered cache slots (the nodes of a token tree):
+    each query's keys and values are first gathered into the order of its own sequence (the
+    committed context, then its ancestors, then itself), so it meets them exactly as it would
+    decoded alone. q [B, H, T, D]; k/v [B, KV, S, D]; `order`, `additive` from `gathered_keys`."""
+    b, h, t, d = q.shape
+    kv, n = k.shape[1], order.shape[-1]
+    index = order[:, None, :, :, None].expand(b, kv, t, n, d).reshape(b, kv, t * n, d)
+    kg, vg = (x.gather(2, index).view(b, kv, t, n, d).transpose(1, 2).reshape(b * t, kv, n, d) for x in (k, v))
+    out = attend_chunked(q.transpose(1, 2).reshape(b * t, h, 1, d), kg, vg, additive, chunk)
+    return out.view(b, t, h, d).transpose(1, 2)
+
+
 # MKL takes another kernel for products of 1-3 rows on some CPUs (an AVX2 AMD EPYC: a row's dot
 # products then differ in the last bit from the same row among 4+); padding every product that
 # `attend_chunked` makes to this many rows keeps one kernel for a query decoded alone or verified.

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import (RMSNorm, Rotary, apply_rotary, attend, attend_chunked, attention_dtype, chunked_mask,
-                     permute_rows_)
+from .layers import (RMSNorm, Rotary, apply_rotary, attend, attend_chunked, attend_gathered, attention_dtype,
+                     chunked_mask, gathered_keys, permute_rows_)
 
 
 class KVCache:
@@ -79,6 +79,8 @@ def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     dtype = attention_dtype(q.dtype, q.device)
     if dtype != q.dtype:  # bf16 / fp16 on CPU: attention in fp32 (`attention_dtype`), the result back
         return attend_groups(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups, chunk).to(q.dtype)
+    if isinstance(mask, tuple):  # a tree under exact attention: each query's keys gathered first
+        return attend_gathered(q, k, v, *mask, chunk)
 
     def run(q, k, v, mask):
         return attend_chunked(q, k, v, mask, chunk) if chunk else attend(q, k, v, mask)
@@ -119,7 +121,7 @@ class Attention(nn.Module):
                 [self.heads, self.kv_heads], dim=1)
             v = qkv[:, self.heads + self.kv_heads:]
         k, v = write(k, v)
-        chunked = self.chunk and mask is not None and mask.dtype != torch.bool  # (an additive chunked mask)
+        chunked = self.chunk and mask is not None and (isinstance(mask, tuple) or mask.dtype != torch.bool)
         out = attend_groups(q, k, v, mask, groups, self.chunk if chunked else 0)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -303,7 +305,11 @@ class Transformer(nn.Module):
                 keys = torch.arange(used, device=positions.device).expand(positions.shape[0], -1)
                 mask = self.attention_mask(positions, keys, always=bool(chunk))
             if chunk:
-                mask = chunked_mask(mask[..., :used], self.config.num_attention_heads // self.config.num_key_value_heads)
+                per_kv = self.config.num_attention_heads // self.config.num_key_value_heads
+                if torch.equal(slots, positions):  # chains: every query sees slots 0..its own
+                    mask = chunked_mask(mask[..., :used], per_kv)
+                else:  # a tree: nodes sit in other slots than their positions
+                    mask, groups = gathered_keys(mask[:, 0, :, :used], slots[:, 0], chunk, per_kv), None
 
             index = cache.scatter_index(slots)  # once for every layer
 

@@ -467,13 +467,18 @@ class Trainer:
 
     def _init_from_folder(self, folder: Path):
         """Warm start from a saved drafter of the same shape (e.g. the shipped one): its weights
-        and draft vocabulary replace the fresh ones; optimizer and schedule start anew."""
+        and draft vocabulary replace the fresh ones; optimizer and schedule start anew. A Markov
+        head or decoder layers past the saved drafter's keep this run's own initialization (a
+        deeper drafter from a shallower one)."""
         if not (folder / "config.json").is_file():
             raise BlockdraftError(f"--init-from: no drafter in {folder} (expected config.json + model.safetensors)")
         loaded = type(self.drafter).load(folder, self.device, torch.float32)
         mine, theirs = self.drafter.state_dict(), loaded.state_dict()
         # a Markov head the saved drafter lacks starts fresh (DFlash weights -> a DSpark-style drafter)
-        fresh = {k: v for k, v in mine.items() if k.startswith("markov_head.") and k not in theirs}
+        saved_layers = getattr(loaded.config, "num_hidden_layers", None)
+        fresh = {k: v for k, v in mine.items() if k not in theirs and (
+            k.startswith("markov_head.") or saved_layers is not None and k.startswith("layers.")
+            and int(k.split(".")[1]) >= saved_layers)}
         theirs = {**theirs, **fresh}
         bad = sorted(k for k in set(mine) | set(theirs)
                      if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
