@@ -125,12 +125,12 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_weights: str = "auto", exact: bool | None = None) -> "Engine":
+             draft_weights: str = "auto", exact: bool = True) -> "Engine":
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
         loaded on first use).
-        `packed` (fp32 on CPU): multiply decode- and verify-sized inputs (1-16 rows) through the
+        `packed` (fp32 on CPU, with `exact=False`): multiply decode- and verify-sized inputs (1-16 rows) through the
         kernel measured fastest on this CPU per weight shape and row count, on weights packed
         for it on first use (`models.packed`: plain sgemm, MKL's packed sgemm or oneDNN).
         `dtype`: a torch dtype, "auto" or None (default: bf16 on CUDA; on a CPU bf16 where its
@@ -142,10 +142,10 @@ class Engine:
         from int8 copies of their weights (CPU; `models.quant.quantize_drafter`): a draft pass
         reads 4x fewer bytes, the output is the target's either way; "float": the target's
         floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float.
-        `exact`: every product and attention row-independent (`models.exact`), so that a token
-        verified in a block gets bit for bit the logits it gets decoded alone; default: on for
-        bf16 / fp16 targets (q4_1 targets are made so by `models.quant`), off for fp32, where
-        the fastest kernel per row count runs (`packed`)."""
+        `exact` (default): every product and attention row-independent (`models.exact`), so that
+        a token verified in a block or a tree gets bit for bit the logits it gets decoded alone
+        (q4_1 targets are made so by `models.quant`); `exact=False`: fp32 products through the
+        kernel measured fastest per row count (`packed`), bf16 / fp16 through `F.linear`."""
         dev = default_device()
         if dtype == "auto":
             dtype = None
@@ -174,11 +174,9 @@ class Engine:
             quantize_target(model, gguf_path() if target is None else None)
         tokenizer = load_tokenizer(folder)
         packed = packed and packing_available()  # (a quantized target has no fp32 linears left; drafters do)
-        if exact is None:  # bf16 / fp16 activations turn last-bit differences into other tokens
-            exact = quantized is None and dtype in (torch.bfloat16, torch.float16)
         if exact and quantized is None:
             make_exact(model)
-        elif packed:
+        if packed:  # the linear layers exact mode left (none, but on a target it cannot make exact)
             pack_linears(model)
         note = None
         if use_draft and draft is None:

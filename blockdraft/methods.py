@@ -93,6 +93,8 @@ register(Method("hf", "HF transformers' own generate on the same weights", peer=
 register(Method("hf-lookup", "HF transformers' prompt-lookup decoding", peer=True, default_block=11))
 register(Method("llamacpp", "llama.cpp on a GGUF of the same weights (optional extra: .[peers])", peer=True,
                 speculative=False))
+register(Method("llamacpp-q4_1", "llama.cpp on the default target's original Q4_1 GGUF, whatever --dtype runs",
+                peer=True, speculative=False))
 register(Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B - 1 tokens)", peer=True,
                 default_block=5))
 register(Method("llamacpp-server", "llama.cpp's llama-server, plain decoding (`make llama-server`)", peer=True,

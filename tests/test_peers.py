@@ -50,6 +50,14 @@ def test_missing_llamacpp_is_one_clear_error(monkeypatch):
     peers.Peers(engine=None).check(["ar", "hf"])  # other peers do not need it
 
 
+def test_the_q4_1_peer_runs_only_the_default_targets_file():
+    from types import SimpleNamespace
+
+    with pytest.raises(BlockdraftError, match="llamacpp-q4_1 runs the default target's own Q4_1 file"):
+        peers.q4_1_gguf(SimpleNamespace(default_target=False))
+    assert peers.q4_1_gguf(SimpleNamespace(default_target=True)).name.endswith("Q4_1.gguf")
+
+
 def test_an_unbuilt_llama_server_is_one_clear_error_before_anything_runs(monkeypatch, tmp_path, capsys):
     from blockdraft.bench import llama_server
     from blockdraft.cli import main
@@ -103,10 +111,15 @@ def test_llamacpp_peer_greedy_equals_ar(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Write a Python function that reverses a string."]}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts), "--methods",
-                           "ar,llamacpp,llamacpp-lookup@4", "--max-new-tokens", "48", "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=600)
+                           "ar,llamacpp,llamacpp-lookup@4,llamacpp-q4_1", "--max-new-tokens", "48", "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    methods = json.loads((tmp_path / "o" / "results.json").read_text())["methods"]
+    report = json.loads((tmp_path / "o" / "results.json").read_text())
+    methods = report["methods"]
+    # the two files of one run are named, and so is the llama.cpp build that ran them
+    assert report["gguf"].endswith("(F32)") and report["gguf_q4_1"].endswith("(Q4_1)")
+    assert "AVX" in report["llamacpp_build"].upper()
+    assert methods["llamacpp-q4_1"]["tokens_per_second"] > 0
     assert methods["llamacpp"]["tokens_per_second"] > 0 and methods["llamacpp"]["speedup_vs_ar"] > 0
     ar = methods["ar"]["prompts"][0]["token_ids"]
     assert len(ar[0]) == 48

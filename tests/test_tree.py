@@ -164,17 +164,12 @@ def test_tree_methods_parse_and_refuse_what_they_cannot_do(smol):
     with pytest.raises(BlockdraftError):
         methods.parse("dflash-tree@0")
 
-    class Chunked:  # a target whose attention is the quantized path's
-        attention_chunk = 64
-        config = smol.config
-        device = smol.device
-
     from blockdraft.draft import DFlashDrafter, DraftConfig
 
     drafter = DFlashDrafter(DraftConfig.for_target(smol.config, num_layers=1, block_size=4, mask_token_id=0))
-    with pytest.raises(BlockdraftError, match="float32"):
-        DFlashTreeProposer(drafter, Chunked(), top_k=2)
-    DFlashProposer(drafter, Chunked())  # a (cut) chain keeps the chain's layout: allowed
+    with pytest.raises(BlockdraftError, match="at least 2 candidates"):
+        DFlashTreeProposer(drafter, smol, top_k=1)
+    # (trees under exact attention, bf16, fp16 and q4_1 targets: tests/test_exact.py)
 
 
 class RiggedTree(DFlashTreeProposer):

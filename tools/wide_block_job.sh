@@ -2,7 +2,10 @@
 # The background job of the issue "Drafters for wide blocks": the A/B runs that choose the wide-block
 # recipe, then the block-16 DSpark drafter itself. Every stage is resumable: a stage whose metrics log
 # (data/train-logs/NAME.metrics.jsonl) shows its last step is skipped, a stage with a run folder
-# (runs/NAME/checkpoint) continues from it; call the script again after a stop or on a new session.
+# (runs/NAME/checkpoint) continues from it, on a new machine from its committed position
+# (data/train-logs/positions/NAME: commit the live arm's at the end of a session with its log,
+# `tools/wide_block_job.sh keep NAME`; delete finished arms'); call the script again after a stop
+# or on a new session.
 #
 #   tools/wide_block_job.sh            # run every stage not yet done, in order
 #   STAGES="dpace" tools/wide_block_job.sh
@@ -34,11 +37,28 @@ done_at() {  # the last step a run's committed metrics log records (0: none)
 
 run_arm() {  # NAME STEPS ARGS...: train (or resume) one arm, then keep its metrics log
     local name=$1 steps=$2; shift 2
+    local pos=data/train-logs/positions/$name
     if [[ $(done_at "$name") -ge $steps ]]; then echo "wide-block job: $name done"; return; fi
-    local resume=()
-    if [[ -f runs/$name/checkpoint/state.json ]]; then resume=(--resume); fi
-    $bd train --out "runs/$name" "${resume[@]}" "$@"
-    cp "runs/$name/metrics.jsonl" "data/train-logs/$name.metrics.jsonl"
+    if [[ -f runs/$name/checkpoint/state.json ]]; then  # this machine's checkpoint, optimizer included
+        $bd train --out "runs/$name" --resume --position-dir "$pos" "$@"
+    elif [[ -f $pos/state.json ]]; then  # a committed position, from another machine
+        $bd train --resume-from "$pos" --out "runs/$name" --position-dir "$pos" \
+            --feature-cache runs/feature-cache --feature-dtype int8
+    else
+        $bd train --out "runs/$name" --position-dir "$pos" "$@"
+    fi
+    keep_log "$name"
+}
+
+keep_log() {  # NAME: the run's metrics into data/train-logs, after the committed records of earlier steps
+    .venv/bin/python - "$1" <<'PY'
+import json, pathlib, sys
+new = pathlib.Path(f"runs/{sys.argv[1]}/metrics.jsonl").read_text().splitlines()
+kept = pathlib.Path(f"data/train-logs/{sys.argv[1]}.metrics.jsonl")
+first = json.loads(new[0])["step"] if new else float("inf")
+old = [line for line in (kept.read_text().splitlines() if kept.is_file() else []) if json.loads(line)["step"] < first]
+kept.write_text("".join(line + "\n" for line in old + new))
+PY
 }
 
 winner() {  # the A/B's position weights: the higher decode tau at the last step (decay on a tie)
@@ -49,6 +69,8 @@ def tau(name):
 print("dpace" if tau("dpace") > tau("decay") else "decay")
 PY
 }
+
+if [[ ${1:-} == keep ]]; then keep_log "$2"; exit; fi
 
 for stage in $stages; do
     case $stage in

@@ -38,6 +38,26 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llamacpp_build() -> str:
+    """What the installed llama.cpp build runs on this CPU (its system info: AVX2, AVX512, AMX ...)."""
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info()
+        return (info.decode() if isinstance(info, bytes) else str(info)).strip()
+    except Exception as exc:  # noqa: BLE001 - a report field, never a reason to fail
+        return f"unknown ({type(exc).__name__})"
+
+
+def q4_1_gguf(engine) -> Path:
+    """The default target's original Q4_1 file (the `llamacpp-q4_1` peer)."""
+    if not engine.default_target:
+        raise BlockdraftError("llamacpp-q4_1 runs the default target's own Q4_1 file: use it without --target")
+    from ..models.default import gguf_path
+
+    return gguf_path()
+
+
 def _finish(engine, ids: list[int], new: list[int], elapsed: float, method: str, block: int) -> Generation:
     eos = set(engine.stop_token_ids)
     for i, t in enumerate(new):
@@ -231,7 +251,7 @@ class Peers:
     def __init__(self, engine, gguf: str | Path | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False)):
         self.engine, self.gguf = engine, gguf
         self.llamacpp_draft = llamacpp_draft  # llamacpp-dflash: (drafter GGUF weight type, full vocabulary)
-        self._hf = self._llamacpp = self._server = None
+        self._hf = self._llamacpp = self._server = self._llamacpp_q4 = None
 
     def check(self, kinds):
         """Fail early (before any generation) when a peer cannot run here."""
@@ -252,6 +272,10 @@ class Peers:
             if self._server is None:
                 self._server = LlamaServerRunner(self.engine, self.gguf, *self.llamacpp_draft)
             return self._server.generate(ids, draft_max=block - 1 if kind == "llamacpp-dflash" else 0, **kwargs)
+        if kind == "llamacpp-q4_1":
+            if self._llamacpp_q4 is None:
+                self._llamacpp_q4 = LlamaCppRunner(self.engine, q4_1_gguf(self.engine))
+            return self._llamacpp_q4.generate(ids, **kwargs)
         if kind.startswith("llamacpp"):
             if self._llamacpp is None:
                 self._llamacpp = LlamaCppRunner(self.engine, self.gguf)

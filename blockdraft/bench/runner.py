@@ -2,7 +2,7 @@
 
 Methods come from the registry (`blockdraft.methods`), peers included:
   ar            our plain autoregressive decoding (the reference for speedup_vs_ar)
-  hf, hf-lookup[@B], llamacpp, llamacpp-lookup[@B]
+  hf, hf-lookup[@B], llamacpp, llamacpp-q4_1, llamacpp-lookup[@B]
                 the peers (`bench/peers.py`): HF transformers and llama.cpp on the same weights
   lookup[@B]    our prompt-lookup (n-gram) drafter, verified by our loop (default B = 4)
   eagle3[@B]    the EAGLE-3-style baseline drafter (shipped, or --eagle DIR), a chain of B-1 drafts
@@ -277,9 +277,12 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
                   "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
                   "draft_window": window, "methods": results, "machine": machine_info(engine)}
         if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
-            from .peers import LlamaCppRunner
+            from .peers import LlamaCppRunner, llamacpp_build, q4_1_gguf
 
             report["gguf"] = LlamaCppRunner.describe(engine, gguf)
+            if "llamacpp-q4_1" in [registry.parse(m, include_peers=True)[0].name for m in methods]:
+                report["gguf_q4_1"] = LlamaCppRunner.describe(engine, q4_1_gguf(engine))
+            report["llamacpp_build"] = llamacpp_build()
         if any(registry.parse(m, include_peers=True)[0].name in SERVER_PEERS for m in methods):
             from .llama_server import describe, find_llama_server
 
