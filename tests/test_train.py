@@ -1164,3 +1164,19 @@ def test_dpace_loss_is_the_weighted_cross_entropy_per_block(tmp_path):
 def test_position_weights_are_checked_when_a_run_starts(tiny_corpus, tmp_path):
     with pytest.raises(BlockdraftError, match="--position-weights must be decay or dpace"):
         Trainer(tiny_config(tiny_corpus[0], tmp_path / "run", position_weights="dpac"))
+
+
+def test_a_run_saved_before_position_weights_existed_resumes_with_the_fixed_decay(tiny_corpus, tmp_path):
+    """D-PACE is the default now; a checkpoint whose settings predate the option keeps its decay."""
+    root = tiny_corpus[0]
+    first = Trainer(tiny_config(root, tmp_path / "a", max_steps=2, position_weights="decay"))
+    first.run()
+    state_file = tmp_path / "a" / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["config"]["position_weights"]
+    state_file.write_text(json.dumps(state))
+    assert TrainConfig(data="", out="").position_weights == "dpace"
+    resumed = Trainer(tiny_config(root, tmp_path / "a", max_steps=4, position_weights="decay"), resume=True)
+    assert resumed.step == 2 and resumed.dpace_alpha is None
+    with pytest.raises(BlockdraftError, match="other settings"):
+        Trainer(tiny_config(root, tmp_path / "a", max_steps=4), resume=True)  # the default now: dpace

@@ -39,7 +39,7 @@ def add_train_args(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def cmd_train(args) -> int:
     import dataclasses
 
-    from ..train.config import TrainConfig
+    from ..train.config import SETTINGS_BEFORE, TrainConfig
     from ..train.trainer import Trainer
 
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
@@ -61,7 +61,7 @@ def cmd_train(args) -> int:
         if refused:
             raise BlockdraftError(f"--resume-from: the run's settings come from {src}/state.json; "
                                   f"--{', --'.join(n.replace('_', '-') for n in refused)} cannot change on a resume")
-        settings = {**{k: v for k, v in state["config"].items() if k in names},
+        settings = {**{k: v for k, v in {**SETTINGS_BEFORE, **state["config"]}.items() if k in names},
                     **{k: settings[k] for k in given & set(Trainer.SKIP_ON_RESUME)}}
         if adopt_position(src, Path(settings["out"])):
             print(f"train: resuming {src} (step {state['step']}) in {settings['out']}", file=sys.stderr)

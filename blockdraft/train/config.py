@@ -29,9 +29,9 @@ class TrainConfig:
     anchor_mode: str = _opt("random", "random | fixed (block boundaries, for the ablation)")
     gamma: float | None = _opt(None, "loss decay over block positions (default: the recipe's value for the block "
                                      "size; 0: no decay)")
-    position_weights: str = _opt("decay", "how the loss weighs block positions: decay (fixed, exp(-(k-1)/gamma)) | "
-                                          "dpace (D-PACE: from the drafter's own confidences, the expected "
-                                          "acceptance that rides on each position)")
+    position_weights: str = _opt("dpace", "how the loss weighs block positions: dpace (D-PACE: from the drafter's "
+                                          "own confidences, the expected acceptance that rides on each position; "
+                                          "won the block-16 A/B) | decay (fixed, exp(-(k-1)/gamma))")
     dpace_alpha: float = _opt(0.5, "D-PACE's confidence smoothing: each confidence q counts as (1-alpha) q + alpha")
     arch: str = _opt("dflash", "dflash | eagle3 (the EAGLE-3-style baseline, same data and pipeline)")
     context_mode: str = _opt("kv", "kv (context injected in every layer) | input (first layer only, for the ablation)")
@@ -81,6 +81,10 @@ class TrainConfig:
                                            "int8 (half the disk; a scale per position and layer); default: the "
                                            "cache folder's own (float16 for a new one)")
     extra: dict = field(default_factory=dict)
+
+
+# What a setting meant for runs saved before it existed (a resumed run keeps training as it started).
+SETTINGS_BEFORE = {"position_weights": "decay"}
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

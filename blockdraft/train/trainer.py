@@ -39,7 +39,7 @@ from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
 from ..sequences import Request
 from .blocks import IGNORE, build_blocks
-from .config import TrainConfig, lr_at
+from .config import SETTINGS_BEFORE, TrainConfig, lr_at
 from .data import data_folders, iter_samples
 from .features import FP16_MAX, TEACHER_TOPK, sequence_key, top_tokens
 from .init import init_from_target
@@ -491,7 +491,8 @@ class Trainer:
     def _load_checkpoint(self):
         ck = self.out / "checkpoint"
         state = json.loads((ck / "state.json").read_text())
-        defaults = asdict(TrainConfig(data="", out=""))  # settings added since the checkpoint was made
+        # settings added since the checkpoint was made
+        defaults = {**asdict(TrainConfig(data="", out="")), **SETTINGS_BEFORE}
         skip = self.SKIP_ON_RESUME
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
         now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
