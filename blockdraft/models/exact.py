@@ -130,7 +130,8 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str 
 
 
 @functools.cache
-def _attention_is_exact(heads: int, kv_heads: int, head_dim: int) -> bool:
+def attention_is_exact(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """`chunked_attention_is_exact` at `ATTENTION_CHUNK` for a head shape, checked once a process."""
     return chunked_attention_is_exact(heads, kv_heads, head_dim, ATTENTION_CHUNK)
 
 
@@ -196,7 +197,7 @@ def make_exact(model) -> dict:
                 continue
             setattr(parent, name, ExactLinear.wrap(child, kernel))
             kernels[kernel] = kernels.get(kernel, 0) + 1
-    attention = _attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    attention = attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     model.set_attention_chunk(ATTENTION_CHUNK)
     exact = attention and not missing
     if not exact:

@@ -32,12 +32,11 @@ import torch
 from torch import nn
 
 from ..errors import BlockdraftError
-from .layers import chunked_attention_is_exact
+from .exact import ATTENTION_CHUNK, attention_is_exact
 
 GROUP = 32
 INNER_K_TILES = 8  # the packing granularity torch's int4 CPU kernel takes (2, 4 or 8)
 QUANTIZED = ("q4_1",)  # the quantized formats `Engine.load(dtype=...)` accepts
-ATTENTION_CHUNK = 64
 
 
 def dequantize_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,8 +291,7 @@ def quantize_target(model, gguf_file=None) -> dict:
     exact = dequantize_groups(q8, d8)
     head_error = (head.dequantized() - exact).abs().max().item()
     model.lm_head = head
-    exact = chunked_attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                       ATTENTION_CHUNK)
+    exact = attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if not exact:
         warnings.warn(f"q4_1: on this machine attention for {cfg.num_attention_heads} heads of {cfg.head_dim} is not "
                       "bit-identical between a token decoded alone and verified in a block; speculative "
