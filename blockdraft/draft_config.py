@@ -48,6 +48,10 @@ class DraftConfig:
     # rank of the Markov head (DSpark's first-order correction: each draft position's logits get
     # W2 W1[previous token]); 0: none, a plain DFlash drafter
     markov_rank: int = 0
+    # the block layout. False (DFlash's): slot k of a block [anchor, MASK x (B-1)] drafts the token at
+    # its own position, slots 1..B-1 draft (B-1 drafts a pass). True (DSpark's `sample_from_anchor`):
+    # every slot drafts the token after it, the anchor's included (B drafts a pass)
+    sample_from_anchor: bool = False
     extra: dict = field(default_factory=dict)  # unknown config keys, written back unchanged
 
     def __post_init__(self):
@@ -59,6 +63,16 @@ class DraftConfig:
                                   f"of the {self.num_hidden_layers} layers, got {types}")
         if "sliding_attention" in types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
             raise BlockdraftError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The first block slot whose output is a draft (1 in DFlash's layout, 0 in DSpark's)."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one pass at the trained block gives (a verify then checks one more token)."""
+        return self.block_size - self.first_draft_slot
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: full attention)."""
@@ -75,7 +89,8 @@ class DraftConfig:
     def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int, target_layer_ids: list[int] | None = None,
                    intermediate_size: int | None = None, sliding_window: int | None = None,
-                   full_layers: list[int] | None = None, markov_rank: int = 0) -> "DraftConfig":
+                   full_layers: list[int] | None = None, markov_rank: int = 0,
+                   sample_from_anchor: bool = False) -> "DraftConfig":
         """A drafter shaped like the target's layers (the published recipe). With
         `sliding_window`, every layer not in `full_layers` is a sliding-window layer."""
         ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
@@ -104,6 +119,7 @@ class DraftConfig:
             layer_types=types,
             sliding_window=sliding_window if types else None,
             markov_rank=markov_rank,
+            sample_from_anchor=sample_from_anchor,
         )
 
     @classmethod
@@ -115,11 +131,6 @@ class DraftConfig:
                 # DSpark's layout keeps the mask token and target layers at the top level
                 dflash = {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": raw.get("target_layer_ids"),
                           **{k: v for k, v in dflash.items() if v is not None}}
-                if raw.get("sample_from_anchor", True):
-                    raise BlockdraftError(
-                        "a DSpark drafter whose anchor slot drafts the first token (sample_from_anchor: true, DSpark's "
-                        "default) has no equivalent here: blockdraft's blocks draft from the slot after the anchor "
-                        "(sample_from_anchor: false, what `blockdraft export drafter` writes)")
                 if raw.get("enable_confidence_head"):
                     raise BlockdraftError("a DSpark drafter with a confidence head is not supported (the head is unused "
                                           "by lossless verification; export it without one)")
@@ -129,7 +140,7 @@ class DraftConfig:
             theta, scaling = rope_settings(raw, 1e6)
             known = set(PUBLISHED_KEYS) | set(MARKOV_KEYS) | {"rope_parameters"}
             if dspark:
-                known |= {"mask_token_id", "target_layer_ids", "confidence_head_with_markov"}
+                known |= {"mask_token_id", "target_layer_ids", "confidence_head_with_markov", "num_anchors"}
             if raw.get("markov_head_type", "vanilla") != "vanilla":
                 raise BlockdraftError(f"Markov head type {raw['markov_head_type']!r}: only 'vanilla' is supported")
             sliding = "sliding_attention" in (raw.get("layer_types") or ())
@@ -153,6 +164,8 @@ class DraftConfig:
                 layer_types=list(raw["layer_types"]) if sliding else None,
                 sliding_window=raw.get("sliding_window") if sliding else None,
                 markov_rank=int(raw.get("markov_rank") or 0),
+                # DSpark's default is every slot drafting; a DFlash folder drafts after the anchor
+                sample_from_anchor=bool(raw.get("sample_from_anchor", dspark)),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except KeyError as exc:
@@ -194,9 +207,11 @@ class DraftConfig:
             "use_sliding_window": self.sliding_window is not None,
             "vocab_size": self.vocab_size,
         }
-        if self.markov_rank:  # DSpark's keys; blocks keep DFlash's layout (the anchor slot drafts nothing)
-            out.update({"markov_rank": self.markov_rank, "markov_head_type": "vanilla", "sample_from_anchor": False,
+        if self.markov_rank:  # DSpark's keys
+            out.update({"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
                         "enable_confidence_head": False})
+        if self.markov_rank or self.sample_from_anchor:  # the layout, where a DSpark reader looks for it
+            out["sample_from_anchor"] = self.sample_from_anchor
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out

@@ -93,10 +93,11 @@ def _dflash_build(target_config, cfg, draft_vocab_size):
     draft_cfg = DraftConfig.for_target(target_config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                        mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
                                        sliding_window=cfg.sliding_window, full_layers=cfg.full_layers,
-                                       markov_rank=cfg.markov_rank)
+                                       markov_rank=cfg.markov_rank,
+                                       sample_from_anchor=cfg.draft_layout == "anchor")
     # what the published format cannot say: the longest context trained on (the default
     # --draft-window when decoding), an ablation's context mode, a draft vocabulary
-    ours = {"train_context": cfg.max_seq_len}
+    ours = {"train_context": cfg.max_seq_len, "num_anchors": cfg.num_anchors}
     if cfg.context_mode != "kv":
         ours["context_mode"] = cfg.context_mode
     if draft_vocab_size:

@@ -11,9 +11,12 @@ left out, so τ can change (the README measures it).
 
 A drafter with a Markov head is written in DSpark's layout (DeepSpec's names and keys:
 `Qwen3DSparkModel`, `markov_head.markov_w1/w2`, `markov_rank`, top-level `mask_token_id` and
-`target_layer_ids`) with `sample_from_anchor: false`, since our blocks draft from the slot after
-the anchor: llama.cpp's converter reads that key (draft-dspark), vLLM's DSpark loader too;
-SGLang's refuses anchor-after layouts. W2's draft-vocabulary rows are spread over the whole
+`target_layer_ids`, `num_anchors`) with the drafter's block layout in `sample_from_anchor`: true
+(every block slot drafts the token after it, DSpark's own layout, which DeepSpec, vLLM and SGLang
+run) for drafters trained with `--draft-layout anchor`, false (drafts from the slot after the
+anchor) for the older ones: llama.cpp's converter reads that key (draft-dspark), vLLM's DSpark
+loader too; SGLang's refuses the false layout. A drafter in DSpark's layout has no plain DFlash
+equivalent (the published DFlash format drafts from slot 1), so it is never written as one. W2's draft-vocabulary rows are spread over the whole
 vocabulary (zeros elsewhere), as the rest of the drafter scores it.
 """
 
@@ -62,12 +65,16 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
     markov = cfg.markov_rank if markov_head else 0
+    if cfg.sample_from_anchor and not markov:
+        raise BlockdraftError(f"{src}: a drafter in DSpark's block layout (every slot drafts, sample_from_anchor) "
+                              "has no equivalent in the published DFlash format; export it with its Markov head")
     if cfg.markov_rank and not markov_head:
         state = {k: v for k, v in state.items() if not k.startswith("markov_head.")}
     if markov:
         config.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": cfg.mask_token_id,
                        "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
-                       "markov_head_type": "vanilla", "sample_from_anchor": False, "enable_confidence_head": False,
+                       "markov_head_type": "vanilla", "sample_from_anchor": cfg.sample_from_anchor,
+                       "num_anchors": ours.get("num_anchors", 32), "enable_confidence_head": False,
                        "confidence_head_with_markov": False})
         vocab_ids = getattr(drafter, "draft_vocab", None)
         w2 = state["markov_head.markov_w2.weight"]
@@ -80,9 +87,11 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
         raise BlockdraftError(f"{src}: weights outside the published set: {sorted(set(state) ^ expected)[:4]}")
     write_model_folder(out, config, state, dtype)
     vocab, context = ours.get("draft_vocab_size"), ours.get("train_context")
-    how = ("DSpark's format with `sample_from_anchor: false` (a DFlash backbone and a rank-"
+    anchor = "true" if cfg.sample_from_anchor else "false"
+    how = (f"DSpark's format with `sample_from_anchor: {anchor}` (a DFlash backbone and a rank-"
            f"{markov} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
-           "`dspark`) read it; SGLang refuses this block layout" if markov else
+           "`dspark`) read it" + (", DeepSpec's and SGLang's DSpark loaders too" if cfg.sample_from_anchor else
+                                  "; SGLang refuses this block layout") if markov else
            "The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
            "(`--speculative-algorithm DFLASH`)")
     (Path(out) / "README.md").write_text(

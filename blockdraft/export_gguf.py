@@ -117,6 +117,9 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
             raise BlockdraftError(f"{target_gguf.name}: {key} {target_key(key)} but the drafter was trained on a "
                                   f"target with {want}: not this drafter's target")
     check_runnable(cfg, cfg.num_target_layers)
+    if cfg.sample_from_anchor and not cfg.markov_rank:
+        raise BlockdraftError(f"{src}: a drafter in DSpark's block layout without a Markov head has no llama.cpp "
+                              "equivalent (its DFlash drafter drafts from the slot after the anchor)")
 
     state = drafter.state_dict()
     vocab = state.pop("draft_vocab", None)
@@ -145,8 +148,8 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
         w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
         w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
         w.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
-        if cfg.markov_rank:  # our blocks: [anchor, MASK...], the anchor slot drafts nothing
-            w.add_bool(f"{ARCH}.sample_from_anchor", False)
+        if cfg.markov_rank:  # the block layout: does the anchor slot draft (DSpark's) or not (DFlash's)
+            w.add_bool(f"{ARCH}.sample_from_anchor", bool(cfg.sample_from_anchor))
             w.add_bool(f"{ARCH}.has_confidence_head", False)
         if cfg.layer_types and "sliding_attention" in cfg.layer_types:
             w.add_sliding_window(int(cfg.sliding_window))

@@ -103,7 +103,8 @@ class DFlashProposer(Proposer):
         self.draft_window = draft_window or None  # the drafter sees the last W committed tokens (None: all)
         self.drafter, self.target = drafter, target
         self.capture_layers = tuple(drafter.config.target_layer_ids)
-        self.max_block_size = drafter.config.block_size
+        self.first_slot = drafter.config.first_draft_slot  # 1: DFlash's layout, 0: DSpark's (every slot drafts)
+        self.max_block_size = drafter.config.max_drafts + 1  # the verified block: the last token and the drafts
         self.mask_token_id = drafter.config.mask_token_id
         self.cache = None
         self._pending: list[tuple] = []  # (features, positions, rows, valid) not yet in the cache
@@ -120,19 +121,20 @@ class DFlashProposer(Proposer):
         self._pending.append((features, positions, rows, valid))  # projected lazily, in propose
 
     def block_hidden(self, last_tokens, positions, n, rows):
-        """The drafter's final hidden states [B, n, H] for positions p+1..p+n (None for n = 0:
-        the observed context is taken in all the same)."""
+        """The drafter's final hidden states [B, n, H] that draft positions p+1..p+n (None for n = 0:
+        the observed context is taken in all the same): a block of the anchor and n masks read
+        from slot 1 (DFlash's layout), or of the anchor and n - 1 masks read from slot 0 (DSpark's)."""
         for features, ctx_positions, ctx_rows, valid in self._pending:
             self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows, valid)
         self._pending = []
         if n == 0:
             return None
-        offsets = torch.arange(n + 1, device=positions.device)
+        offsets = torch.arange(n + self.first_slot, device=positions.device)
         block_positions = positions[:, None] + offsets
         block = torch.full_like(block_positions, self.mask_token_id)
         block[:, 0] = last_tokens
         hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache, rows=rows)
-        return hidden[:, 1:]
+        return hidden[:, self.first_slot:]
 
     def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         hidden = self.block_hidden(last_tokens, positions, n, rows)
@@ -165,7 +167,7 @@ class DFlashTreeProposer(DFlashProposer):
             raise BlockdraftError(f"a tree needs at least 2 candidates per position, got top_k={top_k}")
         super().__init__(drafter, target, draft_window=draft_window)
         self.top_k = top_k
-        self.max_depth = drafter.config.block_size - 1
+        self.max_depth = drafter.config.max_drafts
         self.max_block_size = self.MAX_TREE_NODES + 1  # a block counts the root and the nodes
         self.default_block_size = tree_nodes + 1
 

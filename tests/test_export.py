@@ -63,7 +63,7 @@ def test_the_exported_drafter_is_lossless_and_keeps_its_acceptance(plain, export
                "def fibonacci(n):"]
     ar = engine.generate(prompts, chat=True, method="ar", max_new_tokens=48)
     original = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=48)
-    engine.drafter = DFlashDrafter.load(exported)
+    engine.drafter = DFlashDrafter.load(exported, dtype=engine.target.dtype)  # the engine's dtype (auto)
     assert getattr(engine.drafter, "draft_vocab", None) is None  # the full vocabulary
     ours = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=48)
     for a, o, x in zip(ar, original, ours):
@@ -103,6 +103,7 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
     assert config["architectures"] == ["Qwen3DSparkModel"]
     assert (config["mask_token_id"], config["target_layer_ids"]) == (cfg.mask_token_id, cfg.target_layer_ids)
     assert (config["markov_rank"], config["markov_head_type"], config["sample_from_anchor"]) == (32, "vanilla", False)
+    assert config["num_anchors"] == 32  # DeepSpec's loader asserts it
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         w1, w2 = f.get_tensor("markov_head.markov_w1.weight"), f.get_tensor("markov_head.markov_w2.weight")
@@ -164,12 +165,13 @@ def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path
                                                                    if k != "dflash_config"}))
     cfg_back = DFlashDrafter.load(tmp_path / "dspark").config
     assert (cfg_back.mask_token_id, cfg_back.target_layer_ids) == (cfg.mask_token_id, cfg.target_layer_ids)
-    for key, value, match in [("sample_from_anchor", True, "anchor slot drafts"),
-                              ("enable_confidence_head", True, "confidence head")]:
-        (tmp_path / "dspark" / "config.json").write_text(json.dumps({**config, key: value}))
-        with pytest.raises(BlockdraftError, match=match):
-            DFlashDrafter.load(tmp_path / "dspark")
-    (tmp_path / "dspark" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                                   if k != "sample_from_anchor"}))
-    with pytest.raises(BlockdraftError, match="anchor slot drafts"):  # DSpark's default
+    (tmp_path / "dspark" / "config.json").write_text(json.dumps({**config, "enable_confidence_head": True}))
+    with pytest.raises(BlockdraftError, match="confidence head"):
         DFlashDrafter.load(tmp_path / "dspark")
+    # the block layout: DSpark's default (the key left out) is every slot drafting
+    for written, layout in [(True, True), (None, True), (False, False)]:
+        raw = {k: v for k, v in config.items() if k != "sample_from_anchor"}
+        if written is not None:
+            raw["sample_from_anchor"] = written
+        (tmp_path / "dspark" / "config.json").write_text(json.dumps(raw))
+        assert DFlashDrafter.load(tmp_path / "dspark").config.sample_from_anchor is layout

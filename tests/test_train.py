@@ -102,7 +102,7 @@ def check_forward_consistency(trainer):
                 _, feats = target(torch.tensor([seq[:a]]), pos, target.new_cache(1, a + bs),
                                   capture=proposer.capture_layers)
                 proposer.observe(None, feats, pos)
-                proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), bs - 1)  # writes the context
+                proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), proposer.max_block_size - 1)  # the context
                 block = torch.tensor([[seq[a]] + [MASK] * (bs - 1)])
                 dec = drafter(target.embed(block), torch.arange(a, a + bs)[None], cache=proposer.cache)
             torch.testing.assert_close(train_hidden[i, rows], dec[0], atol=2e-5, rtol=1e-4)
@@ -125,11 +125,13 @@ class LabelProposer(DFlashProposer):
 def check_label_consistency(trainer, corpus_prompts, corpus_answers):
     """Drafting a block's training labels in the real decode loop gets it fully accepted."""
     cfg = trainer.cfg
+    first = 1 - trainer.shift  # the first block slot with a label
     for p, ans in list(zip(corpus_prompts, corpus_answers))[:4]:
         seq = p + ans
         batch = build_blocks([seq], [len(p)], block_size=cfg.block_size, num_anchors=len(seq),
-                             mask_token_id=MASK, gamma=None, generator=torch.Generator().manual_seed(0))
-        labels = {int(batch.block_positions[0, j]): batch.labels[0, j + 1: j + cfg.block_size].tolist()
+                             mask_token_id=MASK, gamma=None, generator=torch.Generator().manual_seed(0),
+                             shift=trainer.shift)
+        labels = {int(batch.block_positions[0, j]): batch.labels[0, j + first: j + cfg.block_size].tolist()
                   for j in range(0, batch.block_tokens.shape[1], cfg.block_size)}
 
         def label_of(a, n):
@@ -138,17 +140,74 @@ def check_label_consistency(trainer, corpus_prompts, corpus_answers):
 
         states = []
         proposer = LabelProposer(trainer.drafter, trainer.target, label_of)
-        list(generate_steps(trainer.target, proposer, [Request(p, len(ans))], cfg.block_size, states))
+        verified = proposer.max_block_size  # the block size, one more in DSpark's layout
+        assert verified == cfg.block_size + trainer.shift
+        list(generate_steps(trainer.target, proposer, [Request(p, len(ans))], verified, states))
         assert states[0].output_ids == ans
         full = states[0].acceptance_lengths[:-1]  # the last block may run past the answer
-        assert full and set(full) == {cfg.block_size}, f"training labels not accepted: {full}"
+        assert full and set(full) == {verified}, f"training labels not accepted: {full}"
 
 
-def test_training_and_decoding_see_the_same_blocks(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("layout", ["mask", "anchor"])
+def test_training_and_decoding_see_the_same_blocks(tiny_corpus, tmp_path, layout):
     root, _, prompts, answers = tiny_corpus
-    trainer = Trainer(tiny_config(root, tmp_path / "run"))
+    trainer = Trainer(tiny_config(root, tmp_path / "run", draft_layout=layout))
     check_forward_consistency(trainer)
     check_label_consistency(trainer, prompts, answers)
+
+
+def test_anchor_layout_blocks_label_the_token_after_each_slot():
+    """DSpark's layout: every slot of [x_a, MASK x 3] is labelled with the token after it, the
+    anchor's included; weights decay from the anchor slot; the Markov head's previous token is
+    the slot's own (x_{a+k})."""
+    from blockdraft.train.loss import previous_tokens
+
+    seq = list(range(10, 30))
+    b = build_blocks([seq], [5], block_size=4, num_anchors=3, mask_token_id=MASK, gamma=4.0,
+                     generator=torch.Generator().manual_seed(0), shift=1)
+    prev = previous_tokens(b)
+    for j in range(3):
+        a = int(b.block_positions[0, 4 * j])
+        assert b.block_tokens[0, 4 * j: 4 * j + 4].tolist() == [seq[a], MASK, MASK, MASK]
+        for k in range(4):
+            want = seq[a + k + 1] if a + k + 1 < len(seq) else IGNORE
+            assert int(b.labels[0, 4 * j + k]) == want
+            if want != IGNORE:
+                assert int(prev[0, 4 * j + k]) == seq[a + k]
+        assert b.weights[0, 4 * j: 4 * j + 3].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
+
+
+class SlotOneProposer(DFlashProposer):
+    """A decode loop that reads an anchor-layout block the DFlash way (drafts from slot 1)."""
+
+    def block_hidden(self, last_tokens, positions, n, rows):
+        self.first_slot = 1
+        return super().block_hidden(last_tokens, positions, n, rows)
+
+
+def test_overfit_anchor_layout_drafter_is_accepted_whole_and_a_misread_loop_is_not(tiny_corpus, tmp_path):
+    """An anchor-layout drafter overfit on the corpus is accepted nearly whole in the real decode
+    loop at its full block (4 drafts + 1); a loop that reads its slots DFlash's way is not."""
+    root, _, prompts, _ = tiny_corpus
+    cfg = tiny_config(root, tmp_path / "run", max_steps=200, save_every=10_000, log_every=50, draft_layout="anchor")
+    trainer = Trainer(cfg)
+    trainer.run()
+    drafter = DFlashDrafter.load(tmp_path / "run" / "drafter")
+    assert drafter.config.sample_from_anchor and drafter.config.max_drafts == 4
+
+    def tau(proposer_class):
+        states = []
+        reqs = [Request(p, 32) for p in prompts[:8]]
+        list(generate_steps(trainer.target, proposer_class(drafter, trainer.target), reqs, 5, states))
+        lengths = [a for s in states for a in s.acceptance_lengths]
+        return sum(lengths) / len(lengths)
+
+    right = tau(DFlashProposer)
+    assert right >= 4.0, f"tau {right:.2f} of 5 after overfitting: train and decode disagree"
+    blocks = trainer.evaluate_blocks(16)
+    assert blocks["blocks"] > 100 and abs(blocks["tau_blocks"] - right) < 0.4, (blocks, right)
+    assert len(blocks["val_acc"]) == 4 and blocks["val_acc"][0] > 0.9
+    assert tau(SlotOneProposer) < right - 1.0
 
 
 def buggy_blocks(bug):

@@ -16,15 +16,19 @@
 # arm fills the feature cache (int8, rounded as stored for both arms), the second reads it.
 # Stage layers: 5 decoder layers against 3 at equal training CPU (see the stage), the A/B's winning
 # position weights; judged in tokens/s by `blockdraft bench` (docs/training.md has the commands).
+# Stage main: the block-16 drafter itself in DSpark's block layout (--draft-layout anchor: every slot
+# drafts the token after it, what DeepSpec, vLLM and SGLang run), the A/Bs' winners (D-PACE, 3 layers),
+# warm-started from the shipped drafter, every committed sample, 3 epochs; run `wide16`.
 # The target runs in float32 for training on a CPU without native bf16 products (bf16 costs ~45 s a
-# step there against ~4 s), in bfloat16 where `blockdraft.precision` says bf16 is fast.
+# step there against ~4 s), in bfloat16 where `blockdraft.precision` says bf16 is fast (DTYPE= to choose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bd=.venv/bin/blockdraft
-stages=${STAGES:-dpace layers}
+stages=${STAGES:-dpace layers main}
 main=data/regen/smollm2-135m-instruct
 data=$(ls -d $main $main-* | paste -sd, -)
-dtype=${DTYPE:-float32}
+dtype=${DTYPE:-$(.venv/bin/python -c "import torch; from blockdraft.precision import auto_dtype as a
+print(str(a(torch.device('cpu')).dtype).removeprefix('torch.'))")}
 ab=(--data "$data" --limit-samples 1600 --max-steps 400 --markov-rank 256 --block-size 16 --num-anchors 32
     --batch-size 4 --draft-vocab 8192 --schedule wsd --warmup-steps 25 --lr 3e-4 --dtype "$dtype" --distill 1
     --init-from blockdraft/shipped/smollm2-135m-instruct-dflash --eval-every 200 --eval-prompts 32
@@ -61,6 +65,17 @@ kept.write_text("".join(line + "\n" for line in old + new))
 PY
 }
 
+planned_steps() {  # NAME: the steps a run by epochs fixed when it started (none yet: more than any run)
+    .venv/bin/python - "$1" <<'PY'
+import json, pathlib, sys
+for state in (f"runs/{sys.argv[1]}/checkpoint/state.json", f"data/train-logs/positions/{sys.argv[1]}/state.json"):
+    if pathlib.Path(state).is_file():
+        print(json.loads(pathlib.Path(state).read_text())["config"]["max_steps"]); break
+else:
+    print(10**9)
+PY
+}
+
 winner() {  # the A/B's position weights: the higher decode tau at the last step (decay on a tie)
     .venv/bin/python - <<'PY'
 import json
@@ -82,6 +97,9 @@ for stage in $stages; do
             # 5 layers against 3 at equal training CPU: the 5-layer arm (the shipped drafter's 3 layers and 2
             # fresh ones, the same 3 target layers) is timed on a 20-step probe, then runs the steps that cost what the
             # 3-layer arm's 400 did (both reading the feature cache: seconds of steps 10-20 compared)
+            if [[ $(done_at ab16-l5) -gt 0 && ! -d runs/ab16-l5 ]]; then  # ended on another machine
+                echo "wide-block job: ab16-l5 done"; continue
+            fi
             weights=$(winner)
             if [[ ! -f runs/ab16-l5-probe/metrics.jsonl ]]; then  # a throwaway run, to time the steps
                 $bd train --out runs/ab16-l5-probe "${ab[@]}" --num-layers 5 --target-layer-ids 1 14 27 \
@@ -99,6 +117,15 @@ PY
             echo "wide-block job: the 5-layer arm gets $steps steps"
             run_arm ab16-l5 "$steps" "${ab[@]}" --num-layers 5 --target-layer-ids 1 14 27 \
                 --position-weights "$weights" --max-steps "$steps"
+            ;;
+        main)
+            # the A/B's settings over every sample for 3 epochs; held-out tau every 2,500 steps
+            run_arm wide16 "$(planned_steps wide16)" --data "$data" --epochs 3 --markov-rank 256 \
+                --block-size 16 --num-anchors 32 --batch-size 4 --draft-vocab 8192 --schedule wsd \
+                --warmup-steps 25 --lr 3e-4 --dtype "$dtype" --distill 1 \
+                --init-from blockdraft/shipped/smollm2-135m-instruct-dflash --eval-every 2500 --eval-prompts 32 \
+                --eval-max-new-tokens 96 --save-every 100 --feature-cache runs/feature-cache --feature-dtype int8 \
+                --position-weights dpace --draft-layout anchor
             ;;
         *) echo "wide-block job: unknown stage $stage" >&2; exit 2 ;;
     esac

@@ -2,8 +2,10 @@
 
 For a sequence x_0..x_{L-1} whose answer starts at position s, each anchor a
 (s <= a <= L-2) opens a block `[x_a, MASK x (B-1)]` at positions a..a+B-1.
-Block position k (1 <= k <= B-1) is labelled with x_{a+k} (the same position: no
-shift), weighted by exp(-(k-1)/gamma); position 0 has no loss. A block's queries
+In DFlash's layout block position k (1 <= k <= B-1) is labelled with x_{a+k} (the same
+position: no shift), weighted by exp(-(k-1)/gamma); position 0 has no loss. In DSpark's
+(`sample_from_anchor`, `shift` 1) every position k (0 <= k <= B-1) is labelled with the
+token after it, x_{a+k+1}, weighted by exp(-k/gamma): B drafts a block. A block's queries
 see the context features at positions STRICTLY before a, and their own block
 (bidirectionally); never another block. These are exactly the conditions of the
 decode loop, where a block is anchored at the last committed token.
@@ -29,6 +31,7 @@ class BlockBatch:
     weights: torch.Tensor  # [N, A*B]
     mask: torch.Tensor  # [N, 1, A*B, L + A*B] bool: what each block query sees
     offsets: torch.Tensor  # [N, A*B] k, the position inside the block
+    label_positions: torch.Tensor  # [N, A*B] the sequence position each block position's label is at
     starts: torch.Tensor  # [N] where each sequence's answer starts
 
 
@@ -47,7 +50,10 @@ def sample_anchors(answer_start: int, length: int, count: int, block_size: int, 
 
 def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size: int, num_anchors: int,
                  mask_token_id: int, gamma: float | None, generator: torch.Generator,
-                 anchor_mode: str = "random") -> BlockBatch:
+                 anchor_mode: str = "random", shift: int = 0) -> BlockBatch:
+    """Blocks at random anchors; `shift` 1: DSpark's layout (each slot labelled with the token after it)."""
+    if shift not in (0, 1):
+        raise ValueError(f"shift is 0 (DFlash's layout) or 1 (DSpark's), got {shift}")
     n = len(seqs)
     width = max(len(s) for s in seqs)
     anchors = [sample_anchors(st, len(s), num_anchors, block_size, anchor_mode, generator)
@@ -71,13 +77,16 @@ def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size:
     first = real_q & (offsets == 0)
     block_tokens[first] = tokens.gather(1, at.clamp(min=0))[first]
     block_positions = torch.where(real_q, pos, torch.zeros_like(pos))
-    labelled = real_q & (offsets > 0) & (pos < lengths[:, None])
-    labels = torch.where(labelled, tokens.gather(1, pos.clamp(0, width - 1)), torch.full_like(pos, IGNORE))
-    decay = torch.tensor([0.0] + [math.exp(-(j - 1) / gamma) if gamma else 1.0 for j in range(1, block_size)])
+    at_label = pos + shift
+    labelled = real_q & (offsets + shift > 0) & (at_label < lengths[:, None])
+    labels = torch.where(labelled, tokens.gather(1, at_label.clamp(0, width - 1)), torch.full_like(pos, IGNORE))
+    decay = torch.tensor([0.0] * (1 - shift) + [math.exp(-j / gamma) if gamma else 1.0
+                                                for j in range(block_size - 1 + shift)])
     weights = torch.where(labelled, decay[offsets], torch.zeros(()))
     block_of = torch.arange(q) // block_size
     own = block_of[:, None] == block_of[None, :]  # each query sees its own block
     context = torch.arange(width)[None, None, :] < at[:, :, None]  # strictly before its anchor (none: padding)
     mask = torch.cat([context, own.expand(n, q, q)], dim=2)[:, None]
+    label_positions = torch.where(real_q, at_label, torch.zeros_like(pos))
     return BlockBatch(tokens, lengths, block_tokens, block_positions, labels, weights, mask, offsets,
-                      torch.tensor(answer_starts))
+                      label_positions, torch.tensor(answer_starts))

@@ -54,6 +54,9 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "gradient norm clipping (0: none)")
     markov_rank: int = _opt(0, ">0: a DSpark-style Markov head of this rank on the DFlash drafter (each draft "
                                "position's logits corrected by the token before it; 256 in DSpark)")
+    draft_layout: str = _opt("mask", "mask (DFlash's: block slots 1..B-1 draft, B-1 drafts a pass) | anchor "
+                                     "(DSpark's sample_from_anchor, what the DSpark loaders of vLLM, SGLang and "
+                                     "DeepSpec run: every slot drafts the token after it, B drafts a pass)")
     distill: float = _opt(0.0, "weight of the soft-label loss (the target's own distribution, its top 32 tokens "
                                "renormalized; kept in --feature-cache); 0: hard labels only")
     dtype: str = _opt("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")

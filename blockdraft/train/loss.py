@@ -16,7 +16,7 @@ REMAT_LOGITS_ABOVE = 1 << 26  # logits elements of a step (256 MB in fp32)
 def previous_tokens(batch) -> torch.Tensor:
     """[N, A*B]: the sequence's token just before each block position (teacher forcing: what a
     Markov head conditions on when every earlier draft of the block was right)."""
-    return batch.tokens.gather(1, (batch.block_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
+    return batch.tokens.gather(1, (batch.label_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
 
 
 def dpace_weights(confidence: torch.Tensor, labelled: torch.Tensor, offsets: torch.Tensor, block_size: int,
@@ -120,7 +120,7 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
 
 def accepted_lengths(right: torch.Tensor) -> torch.Tensor:
     """Per block, the tokens one verify step would commit: 1 (the target's own next token) plus
-    the draft positions right before the first wrong one. right [blocks, B-1] (bool)."""
+    the draft positions right before the first wrong one. right [blocks, drafts] (bool)."""
     return 1 + right.long().cumprod(-1).sum(-1)
 
 

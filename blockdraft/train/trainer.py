@@ -160,6 +160,12 @@ class Trainer:
         if not 0 < cfg.dpace_alpha <= 1:
             raise BlockdraftError(f"--dpace-alpha must be in (0, 1], not {cfg.dpace_alpha}")
         self.dpace_alpha = cfg.dpace_alpha if cfg.position_weights == "dpace" else None
+        if cfg.draft_layout not in ("mask", "anchor"):
+            raise BlockdraftError(f"--draft-layout must be mask or anchor, not {cfg.draft_layout!r}")
+        if cfg.draft_layout == "anchor" and cfg.arch != "dflash":
+            raise BlockdraftError("--draft-layout anchor is a DFlash drafter's layout (DSpark's); the "
+                                  f"{cfg.arch} drafter has its own")
+        self.shift = int(cfg.draft_layout == "anchor")  # a label's position after its block slot's
         if cfg.epochs and cfg.folder_samples is None and resume and (self.out / "checkpoint" / "state.json").is_file():
             saved = json.loads((self.out / "checkpoint" / "state.json").read_text())["config"]
             cfg.folder_samples = saved.get("folder_samples")  # the samples the run started with
@@ -254,7 +260,7 @@ class Trainer:
         return build_blocks([self.samples[i][0] for i in idx], [self.samples[i][1] for i in idx],
                             block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                             mask_token_id=cfg.mask_token_id, gamma=self.gamma, generator=gen,
-                            anchor_mode=cfg.anchor_mode)
+                            anchor_mode=cfg.anchor_mode, shift=self.shift)
 
     def train_step(self) -> dict:
         """One optimizer step. The record's statistics are device tensors (no host sync here);
@@ -295,7 +301,8 @@ class Trainer:
         out = {k: v for k, v in record.items() if k not in ("correct", "count")}
         out["loss"], out["grad_norm"] = float(record["loss"]), float(record["grad_norm"])
         correct, count = record["correct"].cpu().tolist(), record["count"].cpu().tolist()
-        out["acc"] = [round(c / max(1, t), 4) for c, t in zip(correct, count)][1:]
+        # per block slot that drafts (a slot with no label in this layout has a count of 0)
+        out["acc"] = [round(c / t, 4) for c, t in zip(correct, count) if t]
         return out
 
     def block_hidden(self, batch, labels: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -347,8 +354,8 @@ class Trainer:
                     top_ids[i, start:stop, :ids.shape[-1]], top_logp[i, start:stop, :ids.shape[-1]] = ids, logp
                     if keys is not None:
                         self.features.put_teacher(keys[i], ids, logp, start)
-            if soft:  # position p + k is predicted by the target at p + k - 1
-                before = (batch.block_positions.to(dev) - 1).clamp(min=0, max=width - 1)
+            if soft:  # the label at position p is predicted by the target at p - 1
+                before = (batch.label_positions.to(dev) - 1).clamp(min=0, max=width - 1)
                 at = torch.arange(n, device=dev)[:, None]
                 teacher = (top_ids[at, before], top_logp[at, before])
         return self.kind.train_hidden(self.model, self.target, batch, tokens, features, positions), teacher
@@ -358,7 +365,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate_tau(self, block_size: int | None = None) -> float:
         """τ of the current drafter in the real decode loop, greedy, on held-out prompts, at
-        `block_size` (default: the trained one; a drafter runs at any block up to it)."""
+        `block_size`, the verified block (default: the trained one's, one more than the trained block
+        in DSpark's layout, where every slot drafts; a drafter runs at any block up to it)."""
         pool = self.valid or self.samples
         prompts = [s[2]["prompt_ids"] for s in pool[: self.cfg.eval_prompts]]
         self.drafter.eval()
@@ -367,7 +375,7 @@ class Trainer:
         # Decoding runs the drafter in the target's dtype, as `Engine.load` does.
         drafter = self.drafter if self.dtype == torch.float32 else copy.deepcopy(self.drafter).to(self.dtype)
         proposer = self.kind.proposer(drafter, self.target)
-        for _ in generate_steps(self.target, proposer, reqs, block_size or self.cfg.block_size, states):
+        for _ in generate_steps(self.target, proposer, reqs, block_size or proposer.max_block_size, states):
             pass
         self.drafter.train()
         lengths = [a for s in states for a in s.acceptance_lengths]
@@ -399,8 +407,7 @@ class Trainer:
             items = pool[s:s + cfg.batch_size]
             batch = build_blocks([it[0] for it in items], [it[1] for it in items], block_size=b,
                                  num_anchors=num_anchors or cfg.num_anchors, mask_token_id=cfg.mask_token_id,
-                                 gamma=self.gamma,
-                                 generator=gen)
+                                 gamma=self.gamma, generator=gen, shift=self.shift)
             with self.autocast:
                 hidden, _ = self.block_hidden(batch, labels=False)
             labels = batch.labels.to(dev)
@@ -420,13 +427,14 @@ class Trainer:
                 ce_count += torch.bincount(k[scored], minlength=b).float()
                 hit += torch.bincount(k[right], minlength=b).float()
                 count += torch.bincount(k[y != IGNORE], minlength=b).float()
-                real = (batch.labels[row].view(-1, b)[:, 1] != IGNORE).to(dev)  # not a padding block
-                accepted += accepted_lengths(right.view(-1, b)[:, 1:])[real].sum()
+                first = 1 - self.shift  # the first block slot that drafts
+                real = (batch.labels[row].view(-1, b)[:, first] != IGNORE).to(dev)  # not a padding block
+                accepted += accepted_lengths(right.view(-1, b)[:, first:])[real].sum()
                 blocks += real.sum()
         self.drafter.train()
         return {"tau_blocks": round(float(accepted / blocks.clamp(min=1)), 4), "blocks": int(blocks),
-                "val_ce": [round(x, 4) for x in (ce / ce_count.clamp(min=1)).tolist()[1:]],
-                "val_acc": [round(x, 4) for x in (hit / count.clamp(min=1)).tolist()[1:]]}
+                "val_ce": [round(x, 4) for x in (ce / ce_count.clamp(min=1)).tolist()[1 - self.shift:]],
+                "val_acc": [round(x, 4) for x in (hit / count.clamp(min=1)).tolist()[1 - self.shift:]]}
 
     # ---- checkpoints -----------------------------------------------------------------
 
