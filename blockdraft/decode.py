@@ -18,6 +18,7 @@ from .policy import SpeculationPolicy
 from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
 from .sequences import Request, SequenceState, Step, emit, keep_logprobs, token_logprobs
+from .grammar import apply_masks, block_masks
 from .tree import DraftTree
 
 
@@ -163,6 +164,7 @@ class DecodeLoop:
         self.requests: list[Request | None] = [None] * slots
         self.states: list[SequenceState | None] = [None] * slots
         self.params = [SamplingParams(0.0)] * slots
+        self.matchers: list = [None] * slots  # each slot's grammar state (`grammar.Matcher`; None: no grammar)
         # `share_prefix`: its token ids, their keys/values and captured features (None: not shared)
         self.prefix_ids: list[int] | None = None
         self.prefix_cache: KVCache | None = None
@@ -210,7 +212,7 @@ class DecodeLoop:
             if self.keys[b] == key:
                 self.proposer.release(b, key)
                 state = self.states[b]
-                self.keys[b] = self.requests[b] = self.states[b] = None
+                self.keys[b] = self.requests[b] = self.states[b] = self.matchers[b] = None
                 return state
         return None
 
@@ -248,6 +250,7 @@ class DecodeLoop:
         rows = slice(first_slot, first_slot + count)
         for slot, (key, req, state) in run:
             self.keys[slot], self.requests[slot], self.states[slot], self.params[slot] = key, req, state, req.sampling
+            self.matchers[slot] = None if req.grammar is None else req.grammar.matcher()
         reqs = [item[1] for _, item in run]
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=device)
         width = int(lengths.max())
@@ -267,6 +270,9 @@ class DecodeLoop:
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
         logits = self.target.logits(last)[:, None]
         self.proposer.observe_logits(logits, (lengths - 1)[:, None], rows)
+        for i in range(count):
+            if self.matchers[first_slot + i] is not None:
+                apply_masks(logits[i], [self.matchers[first_slot + i].allowed()])
         first = self._sample(logits, lengths[:, None], rows)[0][:, 0]
         want = [i for i, r in enumerate(reqs) if r.logprobs is not None and not self.states[first_slot + i].error]
         scored = {}
@@ -276,11 +282,36 @@ class DecodeLoop:
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
         out = {}
-        for i, ((_, (key, req, state)), t) in enumerate(zip(run, first.tolist())):
+        for i, ((slot, (key, req, state)), t) in enumerate(zip(run, first.tolist())):
             out[key] = [] if state.error else emit(req, state, [int(t)])
+            self._advance(slot, out[key])
             if i in scored and not state.error:
                 keep_logprobs(state, scored[i], 0)
         return out
+
+    def _advance(self, slot: int, tokens: list[int]):
+        """Move a slot's grammar state over the tokens it emitted (they are the masked target's
+        own, so the grammar allows them; a stop token ends the row)."""
+        matcher = self.matchers[slot]
+        if matcher is None or self.states[slot].finished:
+            return
+        for t in tokens:
+            if not matcher.advance(t):
+                raise RuntimeError(f"grammar refused emitted token {t}: the masks and the sampler disagree")
+
+    def _mask(self, logits: torch.Tensor, block: torch.Tensor, parents: torch.Tensor | None):
+        """Mask each grammar row's verified logits [B, W, V] by its state along the block's paths."""
+        grammar_rows = [b for b in range(logits.shape[0]) if self.matchers[b] is not None
+                        and self.states[b] is not None and not self.states[b].finished]
+        if not grammar_rows:
+            return
+        width = block.shape[1]
+        chain = list(range(-1, width - 1))
+        tokens = block.tolist()
+        tree_parents = None if parents is None else parents.tolist()
+        for b in grammar_rows:
+            masks = block_masks(self.matchers[b], tokens[b], chain if tree_parents is None else tree_parents[b])
+            apply_masks(logits[b], masks)
 
     def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict]:
         """The target's tokens for rows `rows`, and {request key: error} for the rows stopped here.
@@ -328,6 +359,7 @@ class DecodeLoop:
         self.requests = [self.requests[b] for b in order]
         self.states = [self.states[b] for b in order]
         self.params = [self.params[b] for b in order]
+        self.matchers = [self.matchers[b] for b in order]
         self.state.permute(torch.tensor(order, device=self.state.committed.device))
 
     def step(self) -> Step:
@@ -366,6 +398,7 @@ class DecodeLoop:
                                        groups=groups, capture=self.proposer.capture_layers)
         logits = self.target.logits(hidden)
         self.proposer.observe_logits(logits, positions, rows)
+        self._mask(logits, block, None if tree is None else tree.parents)
         target_ids, failed = self._sample(logits, positions + 1, rows)
         scoring = [b for b in occupied if self.requests[b].logprobs is not None and not self.states[b].finished]
         if not scoring:
@@ -397,6 +430,7 @@ class DecodeLoop:
             state.accepted_per_step.append((a, drafted))
             before = len(state.output_ids)
             new_ids[self.keys[b]] = emit(req, state, drafts_list[b][:a] + [bonus_list[b]])
+            self._advance(b, new_ids[self.keys[b]])
             if b in scored:
                 keep_logprobs(state, scored[b], before)
             finished[self.keys[b]] = state.finished

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -33,6 +33,9 @@ from .proposers import Proposer
 from .sampling import SamplingParams
 from .sequences import Request, SequenceState
 from .spec import SpecConfig
+
+if TYPE_CHECKING:
+    from .grammar import Grammar, GrammarSpec
 from .text import TextStream, chat_prompt_ids
 
 # Drafters shipped inside the package (package data), by (target name, drafter kind).
@@ -149,6 +152,8 @@ class Engine:
         dev = default_device()
         if dtype == "auto":
             dtype = None
+        if dtype in ("float32", "bfloat16", "float16"):  # a dtype by name, as the CLI's --dtype says it
+            dtype = getattr(torch, dtype)
         quantized = dtype if isinstance(dtype, str) else None
         reason = "chosen"
         if quantized is not None:
@@ -240,7 +245,8 @@ class Engine:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop: str | list[str] | None = None, block_size: int | None = None,
                  proposer: Proposer | None = None, shared_prefix: list[int] | None = None,
-                 on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None):
+                 on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
+                 grammar: "GrammarSpec | Grammar | None" = None):
         """Generate for one prompt (returns a `Generation`) or a list of them (returns a list).
 
         Prompts are strings (with `chat=True`, wrapped in the target's chat template as one
@@ -253,14 +259,18 @@ class Engine:
         results then hold what was generated so far (finish reason "abort").
         `shared_prefix`: token ids that many of the prompts start with, prefilled once and
         copied into their rows (outputs equal up to floating-point rounding).
+        `grammar`: structured output for every prompt, a `GrammarSpec` (e.g.
+        `GrammarSpec("json_schema", schema)`, "json_object", "regex", "choice", "lark") or a compiled
+        `Grammar`; every method's output then equals `ar`'s under the same grammar.
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         spec = SpecConfig.of(method, block_size).build(self, proposer)  # 'dflash@8', 'dflash-tree@32'
         proposer, block_size = spec.proposer, spec.block
+        compiled = self.grammar(grammar)
         rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
-                              None if seed is None else seed + i, stop) for i, prompt in enumerate(batch)]
+                              None if seed is None else seed + i, stop, compiled) for i, prompt in enumerate(batch)]
         states: list[SequenceState] = []
         steps = []
         t0 = time.perf_counter()
@@ -317,14 +327,35 @@ class Engine:
         """Token ids of a conversation in the target's chat template, ready for the answer."""
         return chat_prompt_ids(self.tokenizer, messages)
 
+    def grammar(self, spec: "GrammarSpec | Grammar | None") -> "Grammar | None":
+        """A grammar compiled for this target's tokenizer (kept: the same spec compiles once), or a
+        one-line `BlockdraftError` for one that cannot be compiled or matches nothing."""
+        from .grammar import Grammar, GrammarSpec
+
+        if spec is None or isinstance(spec, Grammar):
+            return spec
+        if not isinstance(spec, GrammarSpec):
+            raise BlockdraftError(f"grammar must be a GrammarSpec, not {type(spec).__name__}")
+        import json
+
+        key = (spec.kind, json.dumps(spec.source, sort_keys=True))
+        cache = self.__dict__.setdefault("_grammars", {})
+        if key not in cache:
+            if len(cache) >= 64:  # a server sees many schemas: keep the newest
+                cache.pop(next(iter(cache)))
+            cache[key] = Grammar(spec, self.tokenizer, self.target.config.vocab_size, tuple(self.stop_token_ids))
+        return cache[key]
+
     def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None) -> Row:
-        """A request with its sampling parameters, stop tokens and stop strings."""
+                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
+                 grammar=None) -> Row:
+        """A request with its sampling parameters, stop tokens, stop strings and grammar (compiled:
+        `Engine.grammar`)."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise BlockdraftError("stop strings must be non-empty")
         req = Request(list(prompt_ids), max_new_tokens, SamplingParams(temperature, top_p, top_k, seed),
-                      tuple(self.stop_token_ids))
+                      tuple(self.stop_token_ids), grammar=grammar)
         row = Row(req, TextStream(self.tokenizer, stops), stops)
         if stops:
             def check(ids: list[int]) -> int | None:  # incremental: only new text is decoded and searched

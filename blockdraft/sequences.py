@@ -32,6 +32,8 @@ class Request:
     # Record the target's log-probabilities of the generated tokens, with this many most likely
     # alternatives per token (None: none are computed; see `SequenceState.logprobs`).
     logprobs: int | None = None
+    # A compiled grammar (`grammar.Grammar`) every generated token must keep satisfiable (None: none)
+    grammar: object | None = None
 
 
 @dataclass

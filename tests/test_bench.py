@@ -21,6 +21,7 @@ def test_bench_json_contract(tmp_path, draft_dir):
                        + json.dumps({"turns": ["def add(a, b):"], "extra": 1}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts),
                            "--methods", "ar,hf,lookup,hf-lookup@4,dflash,dflash@4", "--max-new-tokens", "8", "--draft", str(draft_dir),
+                           "--dtype", "float32",  # HF's own generate (fp32) is one of the methods compared
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -150,7 +150,7 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     from blockdraft.train.data import answer_prompts, regenerate, training_prompts
     from blockdraft.train.features import FeatureCache, sequence_key
 
-    engine = Engine.load(use_draft=False)
+    engine = Engine.load(use_draft=False, dtype=torch.float32)  # compared with a whole-sequence fp32 forward
     args = argparse.Namespace(feature_layers=None, feature_cache=str(tmp_path / "cache"), draft=None)
     layers = feature_layers(args, engine)  # the shipped drafter's
     assert layers == [1, 14, 27]

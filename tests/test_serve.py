@@ -152,8 +152,9 @@ def test_logprobs_parameters_are_checked(server):
 @pytest.fixture(scope="module")
 def shipped_server():
     """The shipped DFlash drafter (it accepts several tokens per step), full blocks every step."""
+    # fp32: its logprobs are compared with HF's fp32 log-softmax (auto is bf16 on some CPUs)
     s = ServerProcess("--speculation", "fixed", "--max-tokens", "32", "--max-batch", "4",
-                      "--served-model-name", "smol")
+                      "--served-model-name", "smol", "--dtype", "float32")
     yield s
     s.stop()
 
@@ -233,7 +234,7 @@ def test_decode_loop_logprobs_on_tree_paths_and_rows_that_did_not_ask(hf_smol):
     did not ask, gets no scores and exactly the tokens it gets in a batch where nobody asks."""
     from blockdraft.batcher import generate_steps
 
-    engine = Engine.load()
+    engine = Engine.load(dtype="float32")  # HF's fp32 log-softmax is the oracle
     prompts = [engine.encode(p, chat=True) for p in ("Count to ten.", "Name three colours.")]
 
     def run(ask):
@@ -442,6 +443,105 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
     r = httpx.get(server.url + "/v1/models/other", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
+
+def counted(server, endpoint: str, status: int) -> float:
+    """Requests /metrics counts for `endpoint` answered with `status`."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    found = re.search(rf'blockdraft_requests_total{{endpoint="{endpoint}",status="{status}"}} ([0-9.e+]+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_model_name_with_a_lone_surrogate_gets_a_json_404_counted_as_404(server):
+    """`"model": "\\ud800"` once got a 500 (its 404 message could not be encoded) that /metrics
+    counted as a 404: now a 404 whose message escapes the name, counted as the 404 it is."""
+    for path, endpoint, body in [("/v1/chat/completions", "chat", b'{"model": "\\ud800", "messages": '
+                                  b'[{"role": "user", "content": "hi"}], "max_tokens": 2}'),
+                                 ("/v1/completions", "completions", b'{"model": "a\\ud800", "prompt": "hi", '
+                                  b'"max_tokens": 2}')]:
+        before = {s: counted(server, endpoint, s) for s in (404, 500)}
+        r = post(server, path, content=body)
+        assert r.status_code == 404, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "\\ud800" in err["message"]
+        assert "\n" not in err["message"]
+        assert counted(server, endpoint, 404) == before[404] + 1 and counted(server, endpoint, 500) == before[500]
+
+
+def test_unknown_fields_are_refused_and_unimplemented_ones_unless_neutral(server):
+    """As OpenAI: a field the endpoint does not know gets a 400 "Unrecognized request argument
+    supplied: NAME"; one OpenAI knows but this server does not implement (penalties, logit_bias)
+    a 400 naming it, unless given at its neutral value."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    legacy = {"prompt": "Hi", "max_tokens": 2}
+    for path, body, name in [("/v1/chat/completions", {**chat, "temprature": 0}, "temprature"),
+                             ("/v1/completions", {**legacy, "foo": None}, "foo"),
+                             ("/v1/chat/completions", {**chat, "prompt": "Hi"}, "prompt"),  # the other endpoint's
+                             ("/v1/completions", {**legacy, "messages": chat["messages"]}, "messages"),
+                             ("/v1/chat/completions", {**chat, "echo": False}, "echo")]:
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == name, (body, err)
+        assert err["message"] == f"Unrecognized request argument supplied: {name}"
+    r = post(server, "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2, "\\ud800": 1}')
+    assert r.status_code == 400 and "\\ud800" in r.json()["error"]["message"], r.text
+    for path, base in [("/v1/chat/completions", chat), ("/v1/completions", legacy)]:
+        for extra in ({"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"presence_penalty": "0"},
+                      {"logit_bias": {"5": 1}}):
+            r = post(server, path, {**base, **extra})
+            name = next(iter(extra))
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, extra, r.text)
+            assert "not supported" in r.json()["error"]["message"]
+        neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1"}
+        assert post(server, path, {**base, **neutral}).status_code == 200, path
+
+
+def test_stream_options_needs_stream_true(server):
+    """As OpenAI: `stream_options` is refused unless `stream` is true (`null` is no options)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for extra in ({"stream_options": {"include_usage": True}},
+                  {"stream": False, "stream_options": {"include_usage": False}}):
+        for path, base in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})]:
+            r = post(server, path, {**base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (path, extra, r.text)
+            assert "only allowed when 'stream' is enabled" in r.json()["error"]["message"]
+    assert post(server, "/v1/chat/completions", {**chat, "stream_options": None}).status_code == 200
+
+
+def test_stream_options_include_usage_must_be_a_boolean(server):
+    """`include_usage: "no"` was read as true: now anything but a JSON boolean (or an unknown
+    option) is a 400; `false` streams without a usage chunk."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    for options in ({"include_usage": "no"}, {"include_usage": 1}, {"include_usge": True}):
+        for path, base in [("/v1/chat/completions", chat),
+                           ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})]:
+            r = post(server, path, {**base, "stream_options": options})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (path, options, r.text)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300,
+                      json={**chat, "stream_options": {"include_usage": False}},
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and lines and not any('"usage"' in line for line in lines)
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    """HTTP auth schemes are case-insensitive: `bearer`, `BEARER` as `Bearer`."""
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2},
+                headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+
+
+def test_a_401_carries_www_authenticate_bearer(server):
+    """A refused key, a missing one or another scheme: 401 with `WWW-Authenticate: Bearer`."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": KEY}, {"Authorization": f"Bearer{KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer", (headers, r.headers)
+        assert r.json()["error"]["type"] == "authentication_error"
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, key="wrong")
+    assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer"
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
                        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,

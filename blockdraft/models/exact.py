@@ -11,7 +11,8 @@ chat prompts differed within 48 greedy tokens on a 2-core AMD EPYC, prompt looku
 
 `make_exact(model)` makes every step row-independent:
 - products: each linear layer (the LM head included) runs through ONE kernel for every row count,
-  chosen per (weight shape, dtype) among those this machine computes row-independently, checked
+  chosen per (weight shape, dtype) among those this machine computes row-independently (in bf16 on a
+  CPU with AVX512-BF16 first blockdraft's own, `models.native`, built on first use), checked
   here on random data (`exact_kernel`): a row's product is the same alone, among up to
   `CHECK_ROWS[-1]` rows, and at any place among them; longer inputs run in calls of at most that
   many rows;
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
+from . import native
 from .layers import chunked_attention_is_exact
 from .packed import _linear_sharing, tensor_version
 
@@ -57,6 +59,8 @@ def _kernels(weight: torch.Tensor) -> dict:
     from .packed import _pack, _run, onednn_available
 
     out = {}
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native.available():
+        out["native"] = native.linear  # blockdraft's own: full memory speed at one row (`models.native`)
     if weight.device.type == "cpu" and onednn_available():
         try:
             pack = _pack("onednn", weight, 16)
@@ -98,7 +102,8 @@ def _choice(out_features: int, in_features: int, has_bias: bool, dtype: torch.dt
 
     from .default import cache_home
 
-    key = f"{machine_key()} | {out_features}x{in_features}{' +bias' if has_bias else ''} | {dtype}"
+    own = " | native" if dtype == torch.bfloat16 and device == "cpu" and native.available() else ""
+    key = f"{machine_key()}{own} | {out_features}x{in_features}{' +bias' if has_bias else ''} | {dtype}"
     store = cache_home() / "exact-kernels.json"
     known = {}
     if device == "cpu":
@@ -123,7 +128,7 @@ def _choice(out_features: int, in_features: int, has_bias: bool, dtype: torch.dt
 
 
 def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """The preferred kernel (`onednn`, `plain` or `padded`) that computes a product with this
+    """The preferred kernel (`native`, `onednn`, `plain` or `padded`) that computes a product with this
     weight's shape and dtype row-independently on this machine, or None if none does. Checked
     once per shape and dtype on a machine (about a second each for the default target's)."""
     return _choice(weight.shape[0], weight.shape[1], bias is not None, weight.dtype, str(weight.device))

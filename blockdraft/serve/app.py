@@ -120,14 +120,22 @@ def create_app(server: Server, start_scheduler: bool = True):
 
     def authorize(request: Request):
         if server.api_key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+            # the scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key is compared in constant time
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.lstrip(" ").encode(),
+                                                                     server.api_key.encode()):
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                               kind="authentication_error", code="invalid_api_key")
+                               kind="authentication_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
-        return exc.response()
+        try:
+            return exc.response()
+        except UnicodeEncodeError:  # a message quoting the client's lone surrogate: escaped, the status kept
+            exc.message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
+            exc.param = exc.param and exc.param.encode("utf-8", "backslashreplace").decode("utf-8")
+            return exc.response()
 
     @app.exception_handler(404)
     async def not_found(_request, _exc):
@@ -173,6 +181,7 @@ def create_app(server: Server, start_scheduler: bool = True):
             authorize(request)
             body = await server.reader.read_json(request)
             server.reader.check_model(body)
+            server.reader.check_fields(body, chat)
             # tokenizing a long prompt takes a while: off the event loop, so other requests go on
             prompt_ids = await asyncio.to_thread(server.reader.chat_prompt if chat else server.reader.completion_prompt, body)
             row, stream, include_usage = server.reader.sampling(body, len(prompt_ids), None if chat else 16,

@@ -17,6 +17,23 @@ from ..sampling import MAX_TOP_K
 from .checks import (MAX_TOP_LOGPROBS, UNSUPPORTED, ApiError, ClientGone, check_field, check_number, check_stops,
                      check_text)
 
+# the body fields each endpoint reads: implemented, or refused by `unsupported` unless at their neutral value
+# (`user` only labels the caller: it changes no answer); any other field is refused by name, as OpenAI does
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+           "stream_options", "n", "logprobs", "top_logprobs", "user", "logit_bias", "presence_penalty",
+           "frequency_penalty", "top_k", "return_token_ids"}  # (the last two: extensions, as vLLM's)
+FIELDS = {"chat": _COMMON | {"messages", "functions", "function_call"},
+          "completions": _COMMON | {"prompt", "echo", "suffix", "best_of"}}
+# structured outputs, read elsewhere on either endpoint: never refused here as unknown
+STRUCTURED = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}
+PENALTIES = ("presence_penalty", "frequency_penalty")  # not implemented: only 0 (no penalty) is accepted
+
+
+def shown(text: str) -> str:
+    """`text` fit to quote in a one-line error: control characters and lone surrogates (JSON's
+    \\ud800 escapes, which no UTF-8 answer can carry) escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
 
 class RequestReader:
     """An OpenAI request body -> prompt token ids and the engine row to run, under the server's
@@ -70,14 +87,27 @@ class RequestReader:
         if model is not None and not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", "model")
         if model and model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+            raise ApiError(404, f"The model '{shown(model)}' does not exist; this server serves '{self.model_name}'",
                            "model", code="model_not_found")
+
+    @staticmethod
+    def check_fields(body: dict, chat: bool):
+        """400 for a field the endpoint does not know (a typo or another endpoint's field is never
+        silently ignored), in OpenAI's words."""
+        known = FIELDS["chat" if chat else "completions"]
+        for name in body:
+            if name not in known and name not in STRUCTURED:
+                raise ApiError(400, f"Unrecognized request argument supplied: {shown(name)}", shown(name))
 
     def unsupported(self, body: dict):
         """400 for OpenAI features this server does not implement (never silently ignored)."""
         for name, off in UNSUPPORTED.items():
             if name in body and body[name] not in off:
                 raise ApiError(400, f"'{name}' is not supported by this server", name)
+        for name in PENALTIES:
+            value = body.get(name)
+            if value is not None and (isinstance(value, bool) or value != 0):
+                raise ApiError(400, f"'{name}' is not supported by this server (only 0, no penalty)", name)
 
     @staticmethod
     def logprobs(body: dict, chat: bool) -> int | None:
@@ -124,8 +154,20 @@ class RequestReader:
         top_k = check_field(body, "top_k", int, 0, check=lambda v: -1 <= v <= MAX_TOP_K,
                        what=f"an integer in [-1, {MAX_TOP_K}] (-1 or 0: off)")
         stream = check_field(body, "stream", bool, False, what="a boolean")
-        options = check_field(body, "stream_options", dict, {}, what="an object")
-        include_usage = bool(options.get("include_usage", False))
+        options = check_field(body, "stream_options", dict, None, what="an object")
+        include_usage = False
+        if options is not None:  # as OpenAI: refused rather than ignored without a stream
+            if not stream:
+                raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled",
+                               "stream_options")
+            for key in options:
+                if key != "include_usage":
+                    raise ApiError(400, f"Unrecognized request argument supplied: stream_options.{shown(key)}",
+                                   "stream_options")
+            usage = options.get("include_usage")
+            if usage is not None and not isinstance(usage, bool):  # "no" is truthy: only a boolean is clear
+                raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
+            include_usage = usage is True
         try:
             row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, check_stops(body))
         except BlockdraftError as exc:

@@ -1,0 +1,80 @@
+// blockdraft's row-independent bf16 product for CPUs with AVX512-BF16 (built on first use by
+// blockdraft/models/native.py). y[r, n] = sum_k x[r, k] w[n, k] (+ b[n]), rounded to bf16 once.
+//
+// Every output element is one fp32 accumulator of 16 lanes fed by `vdpbf16ps` over k in steps of
+// 32, in the same order, then summed across lanes in a fixed order: a row's result never depends
+// on how many rows the call has or where the row sits among them, which is what exact speculation
+// needs (a token verified in a block gets the logits it gets decoded alone). Rows are grouped by
+// four only so a tile of four weight rows is read once per group; threads split the output
+// features (torch's own pool), never a sum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t TILE = 4;   // weight rows (output features) per tile
+constexpr int64_t GROUP = 4;  // input rows per group
+
+inline __m512bh load_bf16(const at::BFloat16* p, int64_t n) {
+    // 32 bf16 values, the ones past n read as zero (a product with a zero adds nothing)
+    if (n >= 32) return (__m512bh)_mm512_loadu_si512(p);
+    __mmask32 m = n <= 0 ? 0 : (__mmask32)((1ull << n) - 1);
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+// Rows [r0, r0 + nr) (nr <= GROUP) by weight rows [n0, n0 + nt) (nt <= TILE).
+inline void block(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,
+                  int64_t K, int64_t N, int64_t r0, int64_t nr, int64_t n0, int64_t nt) {
+    __m512 acc[GROUP][TILE];
+    for (int64_t i = 0; i < GROUP; ++i)
+        for (int64_t j = 0; j < TILE; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t left = K - k;
+        __m512bh wv[TILE];
+        for (int64_t j = 0; j < nt; ++j) wv[j] = load_bf16(w + (n0 + j) * K + k, left);
+        for (int64_t i = 0; i < nr; ++i) {
+            const __m512bh xv = load_bf16(x + (r0 + i) * K + k, left);
+            for (int64_t j = 0; j < nt; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < nt; ++j) {
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            if (b != nullptr) s += static_cast<float>(b[n0 + j]);
+            y[(r0 + i) * N + n0 + j] = at::BFloat16(s);
+        }
+}
+
+}  // namespace
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 inputs only");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [R, K] and w [N, K]");
+    x = x.contiguous();
+    w = w.contiguous();
+    const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
+    auto y = torch::empty({R, N}, x.options());
+    torch::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+        b = bias->to(at::kBFloat16).contiguous();
+        TORCH_CHECK(b.numel() == N, "bias of N elements");
+    }
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t n0 = t * TILE, nt = std::min(TILE, N - n0);
+            for (int64_t r0 = 0; r0 < R; r0 += GROUP)
+                block(xp, wp, bp, yp, K, N, r0, std::min(GROUP, R - r0), n0, nt);
+        }
+    });
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");
+}
