@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from blockdraft.batcher import generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
-from blockdraft.models import exact, load_target
+from blockdraft.models import exact, load_target, native
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams
 from blockdraft.sequences import Request
@@ -41,6 +41,25 @@ def test_the_check_refuses_a_width_dependent_product_and_passes_the_kernel_it_pi
     with torch.inference_mode():
         together = layer(x)
         assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in (0, 33, 65, 69))
+
+
+@pytest.mark.skipif(not native.supported(), reason="no AVX512-BF16 (or no compiler / ninja) here")
+@pytest.mark.parametrize("shape", [(96, 64), (7, 40), (13, 576)], ids=["tiles", "tails", "odd-rows"])
+def test_the_native_bf16_product_is_row_independent_and_right(shape):
+    """blockdraft's own kernel: a row's product is the same alone, among up to 70 rows and at any
+    place among them (the check `exact` runs), with and without bias, and it is the product:
+    within bf16 rounding of the fp32 one (odd shapes exercise the partial tiles and steps)."""
+    assert native.available()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(*shape, generator=gen).bfloat16()
+    b = torch.randn(shape[0], generator=gen).bfloat16()
+    for bias in (None, b):
+        assert exact._row_independent(native.linear, w, bias)
+        x = torch.randn(70, shape[1], generator=gen).bfloat16()
+        ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
+        torch.testing.assert_close(native.linear(x, w, bias).float(), ref, rtol=2e-2, atol=2e-2)
+    assert not exact._row_independent(lambda x, w, b: native.linear(x, w, b) if x.shape[0] == 1 else split_sum(x, w, b),
+                                      w, None)
 
 
 # ---- a tiny target, every dtype: near ties are everywhere, so any inexactness shows -----------

@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native_linear.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers, and runs on one
+# thread without it (the libgomp.so.1 torch already loaded serves the extension too)
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
 
 
 def supported() -> bool:
@@ -59,7 +61,7 @@ def module():
     t0 = time.perf_counter()
     try:
         mod = cpp_extension.load(name=f"blockdraft_native_{tag}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                 build_directory=str(folder), verbose=False)
+                                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # a compiler or toolchain problem: the other kernels still run
         warnings.warn(f"the native bf16 kernel did not build ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                       "using torch's kernels", stacklevel=2)

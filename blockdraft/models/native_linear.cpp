@@ -14,7 +14,7 @@
 namespace {
 
 constexpr int64_t TILE = 4;   // weight rows (output features) per tile
-constexpr int64_t GROUP = 4;  // input rows per group
+constexpr int GROUP = 4;  // input rows per group
 
 inline __m512bh load_bf16(const at::BFloat16* p, int64_t n) {
     // 32 bf16 values, the ones past n read as zero (a product with a zero adds nothing)
@@ -23,27 +23,60 @@ inline __m512bh load_bf16(const at::BFloat16* p, int64_t n) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
 
-// Rows [r0, r0 + nr) (nr <= GROUP) by weight rows [n0, n0 + nt) (nt <= TILE).
+// Rows [r0, r0 + NR) by weight rows [n0, n0 + NT): the counts are template arguments so that the
+// NR x NT accumulators live in registers (with run-time counts they spill to the stack).
+template <int NR, int NT>
 inline void block(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,
-                  int64_t K, int64_t N, int64_t r0, int64_t nr, int64_t n0, int64_t nt) {
-    __m512 acc[GROUP][TILE];
-    for (int64_t i = 0; i < GROUP; ++i)
-        for (int64_t j = 0; j < TILE; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const int64_t left = K - k;
-        __m512bh wv[TILE];
-        for (int64_t j = 0; j < nt; ++j) wv[j] = load_bf16(w + (n0 + j) * K + k, left);
-        for (int64_t i = 0; i < nr; ++i) {
-            const __m512bh xv = load_bf16(x + (r0 + i) * K + k, left);
-            for (int64_t j = 0; j < nt; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+                  int64_t K, int64_t N, int64_t r0, int64_t n0) {
+    __m512 acc[NR][NT];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {  // whole steps of 32: plain loads
+        if (r0 == 0) {  // the weight rows two tiles on, fetched while these are multiplied (DRAM latency)
+#pragma GCC unroll 4
+            for (int j = 0; j < NT; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + 2 * NT + j) * K + k), _MM_HINT_T0);
+        }
+        __m512bh wv[NT];
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n0 + j) * K + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + i) * K + k);
+#pragma GCC unroll 4
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
         }
     }
-    for (int64_t i = 0; i < nr; ++i)
-        for (int64_t j = 0; j < nt; ++j) {
+    if (k < K) {  // the last partial step, zeros past K
+        __m512bh wv[NT];
+        for (int j = 0; j < NT; ++j) wv[j] = load_bf16(w + (n0 + j) * K + k, K - k);
+        for (int i = 0; i < NR; ++i) {
+            const __m512bh xv = load_bf16(x + (r0 + i) * K + k, K - k);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < NT; ++j) {
             float s = _mm512_reduce_add_ps(acc[i][j]);
             if (b != nullptr) s += static_cast<float>(b[n0 + j]);
             y[(r0 + i) * N + n0 + j] = at::BFloat16(s);
         }
+}
+
+template <int NT>
+inline void rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,
+                 int64_t R, int64_t K, int64_t N, int64_t n0) {
+    int64_t r0 = 0;
+    for (; r0 + GROUP <= R; r0 += GROUP) block<GROUP, NT>(x, w, b, y, K, N, r0, n0);
+    switch (R - r0) {
+        case 3: block<3, NT>(x, w, b, y, K, N, r0, n0); break;
+        case 2: block<2, NT>(x, w, b, y, K, N, r0, n0); break;
+        case 1: block<1, NT>(x, w, b, y, K, N, r0, n0); break;
+        default: break;
+    }
 }
 
 }  // namespace
@@ -67,9 +100,13 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     const int64_t tiles = (N + TILE - 1) / TILE;
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
-            const int64_t n0 = t * TILE, nt = std::min(TILE, N - n0);
-            for (int64_t r0 = 0; r0 < R; r0 += GROUP)
-                block(xp, wp, bp, yp, K, N, r0, std::min(GROUP, R - r0), n0, nt);
+            const int64_t n0 = t * TILE;
+            switch (std::min(TILE, N - n0)) {  // the same arithmetic per element whichever path
+                case 4: rows<4>(xp, wp, bp, yp, R, K, N, n0); break;
+                case 3: rows<3>(xp, wp, bp, yp, R, K, N, n0); break;
+                case 2: rows<2>(xp, wp, bp, yp, R, K, N, n0); break;
+                default: rows<1>(xp, wp, bp, yp, R, K, N, n0); break;
+            }
         }
     });
     return y;
