@@ -18,7 +18,7 @@ from .policy import SpeculationPolicy
 from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
 from .sequences import Request, SequenceState, Step, emit, keep_logprobs, token_logprobs
-from .grammar import apply_masks, block_masks
+from .grammar import apply_masks, block_masks, chain_masks
 from .tree import DraftTree
 
 
@@ -296,22 +296,36 @@ class DecodeLoop:
         if matcher is None or self.states[slot].finished:
             return
         for t in tokens:
+            if t in matcher.grammar.eos:
+                break
             if not matcher.advance(t):
                 raise RuntimeError(f"grammar refused emitted token {t}: the masks and the sampler disagree")
 
-    def _mask(self, logits: torch.Tensor, block: torch.Tensor, parents: torch.Tensor | None):
-        """Mask each grammar row's verified logits [B, W, V] by its state along the block's paths."""
-        grammar_rows = [b for b in range(logits.shape[0]) if self.matchers[b] is not None
-                        and self.states[b] is not None and not self.states[b].finished]
-        if not grammar_rows:
-            return
-        width = block.shape[1]
-        chain = list(range(-1, width - 1))
-        tokens = block.tolist()
-        tree_parents = None if parents is None else parents.tolist()
-        for b in grammar_rows:
-            masks = block_masks(self.matchers[b], tokens[b], chain if tree_parents is None else tree_parents[b])
-            apply_masks(logits[b], masks)
+    def _grammar_rows(self, rows: int) -> list[int]:
+        return [b for b in range(rows) if self.matchers[b] is not None
+                and self.states[b] is not None and not self.states[b].finished]
+
+    def _constrain(self, drafts: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """A chain's drafts of grammar rows made to follow their grammars (`chain_masks`), and
+        those rows' masks of the verified positions: {row: masks}."""
+        masks = {}
+        if drafts.shape[1] == 0:
+            return drafts, {b: [self.matchers[b].allowed()] for b in self._grammar_rows(drafts.shape[0])}
+        rows = self._grammar_rows(drafts.shape[0])
+        if not rows:
+            return drafts, masks
+        lists = drafts.tolist()
+        for b in rows:
+            lists[b], masks[b] = chain_masks(self.matchers[b], lists[b])
+        return torch.tensor(lists, dtype=drafts.dtype, device=drafts.device), masks
+
+    def _mask_tree(self, tree) -> dict:
+        """Tree rows' masks of every node, along each node's path (`block_masks`): {row: masks}."""
+        rows = self._grammar_rows(tree.tokens.shape[0])
+        if not rows:
+            return {}
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        return {b: block_masks(self.matchers[b], tokens[b], parents[b]) for b in rows}
 
     def _sample(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict]:
         """The target's tokens for rows `rows`, and {request key: error} for the rows stopped here.
@@ -387,9 +401,10 @@ class DecodeLoop:
         tree = chosen if self.proposer.drafts_trees else None
         if tree is not None:
             block = tree.tokens
+            masks = self._mask_tree(tree)
             positions, slots, mask, groups = self.state.tree_layout(tree, committed, group_rows)
         else:
-            drafts = chosen
+            drafts, masks = self._constrain(chosen)
             block = torch.cat([pending[:, None], drafts], dim=1)
             positions = committed[:, None] + torch.arange(block.shape[1], device=device)
             slots, mask, groups = self.state.chain_layout(positions, group_rows)
@@ -398,7 +413,8 @@ class DecodeLoop:
                                        groups=groups, capture=self.proposer.capture_layers)
         logits = self.target.logits(hidden)
         self.proposer.observe_logits(logits, positions, rows)
-        self._mask(logits, block, None if tree is None else tree.parents)
+        for b, row_masks in masks.items():  # each grammar row's distributions, masked along its paths
+            apply_masks(logits[b], row_masks)
         target_ids, failed = self._sample(logits, positions + 1, rows)
         scoring = [b for b in occupied if self.requests[b].logprobs is not None and not self.states[b].finished]
         if not scoring:

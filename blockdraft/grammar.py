@@ -100,6 +100,9 @@ class Grammar:
         from llguidance import LLMatcher
 
         self.spec, self.vocab_size = spec, vocab_size
+        # stop tokens end a row, never go into a matcher (llguidance does not count a consumed stop
+        # token in rollback: rolling one back would undo the token before it)
+        self.eos = frozenset(int(t) for t in eos)
         self.lltok = _tokenizer(tokenizer, vocab_size, tuple(eos))
         self.text = spec.llguidance()
         error, messages = LLMatcher.validate_grammar_with_warnings(self.text, self.lltok)
@@ -137,7 +140,8 @@ class Matcher:
         return ((bits[:, None] >> self._shifts) & 1).bool().view(-1)[: self.grammar.vocab_size]
 
     def advance(self, token: int) -> bool:
-        """Consume one token (False, and the state unusable, if the grammar does not allow it)."""
+        """Consume one token (False, and the state unusable, if the grammar does not allow it).
+        Never a stop token (see `Grammar.eos`)."""
         return self.m.consume_token(int(token))
 
     def rollback(self, n: int):
@@ -167,8 +171,8 @@ def block_masks(matcher: Matcher, tokens: list[int], parents: list[int]) -> list
         if i == 0:
             masks.append(matcher.allowed())
             continue
-        if masks[parent] is None or not bool(masks[parent][tokens[i]]):
-            masks.append(None)
+        if masks[parent] is None or not bool(masks[parent][tokens[i]]) or tokens[i] in matcher.grammar.eos:
+            masks.append(None)  # unreachable, or a stop token (the row ends there)
             continue
         # the path of node i: its parent's path, then i
         chain = []
@@ -188,6 +192,35 @@ def block_masks(matcher: Matcher, tokens: list[int], parents: list[int]) -> list
         masks.append(matcher.allowed())
     matcher.rollback(len(path))
     return masks
+
+
+def chain_masks(matcher: Matcher, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A chain's drafts made to follow the grammar, and the masks of its verified positions (the
+    pending token's, then each draft's). Walking the drafts in order, a draft the state does not
+    allow is replaced by the one token the state allows where it allows only one (JSON keys and
+    punctuation under a schema: the drafter need not guess what the grammar forces); where it allows
+    several the chain stops being reachable there (None masks: never accepted). Drafts only change
+    what is proposed, never what is accepted. The matcher ends where it started."""
+    out, masks, consumed = list(drafts), [], 0
+    for i in range(len(out) + 1):
+        mask = matcher.allowed()
+        masks.append(mask)
+        if i == len(out):
+            break
+        if not bool(mask[out[i]]):
+            only = mask.nonzero()
+            if only.shape[0] != 1:
+                masks += [None] * (len(out) - i)
+                break
+            out[i] = int(only[0, 0])
+        if out[i] in matcher.grammar.eos:  # the row ends there: nothing after it is accepted
+            masks += [None] * (len(out) - i)
+            break
+        if not matcher.advance(out[i]):
+            raise RuntimeError(f"grammar refused an allowed draft token {out[i]}")
+        consumed += 1
+    matcher.rollback(consumed)
+    return out, masks
 
 
 def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]):

@@ -81,13 +81,13 @@ def test_regex_and_choice_outputs_match_and_equal_ar(engine):
 def test_a_grammar_the_drafts_ignore_is_caught_by_the_test(engine, ar_json, monkeypatch):
     """The mutant: every verified position masked by the state after the committed tokens only
     (the drafts before it ignored). Its output leaves the grammar or ar's tokens."""
-    right = grammar_mod.block_masks
+    right = grammar_mod.chain_masks
 
-    def committed_state_only(matcher, tokens, parents):
-        masks = right(matcher, tokens[:1], parents[:1])
-        return masks * len(tokens)
+    def committed_state_only(matcher, drafts):
+        drafts, masks = right(matcher, drafts)
+        return drafts, masks[:1] * len(masks)
 
-    monkeypatch.setattr(decode_mod, "block_masks", committed_state_only)
+    monkeypatch.setattr(decode_mod, "chain_masks", committed_state_only)
     try:
         ours = engine.generate(PROMPTS, chat=True, method="dflash", max_new_tokens=40,
                                grammar=GrammarSpec("json_schema", SCHEMA))
@@ -120,6 +120,7 @@ class ToyMatcher:
 
     def __init__(self):
         self.path: list[int] = []
+        self.grammar = ToyGrammar()
 
     def allowed(self):
         mask = torch.ones(V, dtype=torch.bool)
@@ -138,6 +139,8 @@ class ToyMatcher:
 
 
 class ToyGrammar:
+    eos = frozenset()  # the tiny target's requests have no stop tokens
+
     def matcher(self):
         return ToyMatcher()
 

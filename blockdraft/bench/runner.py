@@ -80,11 +80,12 @@ def parse_method(name: str, engine, window: int | str | None = "auto") -> Method
                   spec=config)
 
 
-def _generate(engine, peers: Peers, m: Method, ids, max_new_tokens, temperature, seed) -> Generation:
+def _generate(engine, peers: Peers, m: Method, ids, max_new_tokens, temperature, seed, grammar=None) -> Generation:
     if m.peer:
         return peers.generate(m.kind, m.block, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               seed=seed)
-    return engine.generate(ids, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return engine.generate(ids, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                           grammar=grammar)
 
 
 def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[float]]:
@@ -105,15 +106,19 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
 def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
               temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1,
               gguf: str | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False),
-              window: int | str | None = "auto") -> dict:
+              window: int | str | None = "auto", grammar=None) -> dict:
+    """`grammar`: a `GrammarSpec` every answer follows (structured output; our methods only)."""
     parsed = [parse_method(m, engine, window) for m in methods]
+    if grammar is not None and any(m.peer for m in parsed):
+        raise BlockdraftError("the bench runs a grammar with blockdraft's methods only, not with peers")
+    grammar = engine.grammar(grammar)
     peers = Peers(engine, gguf, llamacpp_draft)
     peers.check([m.kind for m in parsed])
     try:
         if warmup:
             ids = engine.encode("Hello", chat=True)
             for m in parsed:
-                _generate(engine, peers, m, ids, 4, temperature, seed)
+                _generate(engine, peers, m, ids, 4, temperature, seed, grammar)
         keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
         per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
                for m in parsed}
@@ -125,7 +130,8 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                     messages, outs = [], []
                     for turn in rec["turns"]:
                         messages.append({"role": "user", "content": turn})
-                        out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature, seed)
+                        out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature,
+                                        seed, grammar)
                         messages.append({"role": "assistant", "content": out.text})
                         outs.append(out)
                         p = per[m.name]
@@ -262,7 +268,8 @@ def machine_info(engine) -> dict:
 
 def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
                   first_turn_only=False, repeats=1, check_distribution=0, gguf=None,
-                  llamacpp_draft: tuple[str, bool] = ("F16", False), window: int | str | None = "auto") -> dict:
+                  llamacpp_draft: tuple[str, bool] = ("F16", False), window: int | str | None = "auto",
+                  grammar=None) -> dict:
     """Run every dataset (comma-separated names) and write results.json (one dataset) or
     DATASET/results.json (several), plus report.md and plots, into `out`. `window`: the DFlash
     methods' draft window (`SpecConfig.window`)."""
@@ -272,10 +279,13 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
         records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
         t0 = time.time()
         results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
-                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft, window=window)
+                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft, window=window,
+                            grammar=grammar)
         report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
                   "draft_window": window, "methods": results, "machine": machine_info(engine)}
+        if grammar is not None:
+            report["grammar"] = {"kind": grammar.kind, "source": grammar.source}
         if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
             from .peers import LlamaCppRunner, llamacpp_build, q4_1_gguf
 

@@ -5,19 +5,23 @@ from __future__ import annotations
 import sys
 
 from .common import add_model_args, load_engine, window
+from .generate import add_grammar_args
 
 
 def cmd_bench(args) -> int:
     from ..bench.runner import bench_command
 
+    from .generate import grammar_from
+
     methods = args.methods.split(",")
+    grammar = grammar_from(args)
     engine = load_engine(args, methods)
     reports = bench_command(engine, dataset=args.dataset, prompts_file=args.prompts, methods=methods,
                             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, out=args.out, first_turn_only=args.first_turn_only,
                             repeats=args.repeats, check_distribution=args.check_distribution, gguf=args.gguf,
                             llamacpp_draft=(args.llamacpp_draft_type, args.llamacpp_full_vocab),
-                            window=window(args))
+                            window=window(args), grammar=grammar)
     for dataset, report in reports.items():
         print(f"== {dataset} ({report['num_prompts']} prompts)")
         for name, r in report["methods"].items():
@@ -44,6 +48,7 @@ def register(sub, methods) -> None:
     b.add_argument("--check-distribution", type=int, default=0, metavar="N",
                    help="with N > 0: compare the first tokens of N seeded samples per method with ar's (T=1 "
                         "unless --temperature is set)")
+    add_grammar_args(b)
     b.add_argument("--max-samples", type=int)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--temperature", type=float, default=0.0)

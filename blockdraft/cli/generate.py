@@ -8,10 +8,48 @@ import sys
 from .common import add_model_args, add_sampling_args, load_engine, sampling_kwargs, spec_from, tree_budget
 
 
+def grammar_from(args):
+    """The `GrammarSpec` the structured-output flags ask for (at most one of them), or None."""
+    from pathlib import Path
+
+    from ..errors import BlockdraftError
+    from ..grammar import GrammarSpec
+
+    given = [(k, v) for k, v in (("json_schema", args.json_schema), ("regex", args.regex), ("choice", args.choice),
+                                  ("lark", args.grammar)) if v is not None]
+    if getattr(args, "json_object", False):
+        given.append(("json_object", None))
+    if len(given) > 1:
+        raise BlockdraftError("give at most one of --json-schema, --json-object, --regex, --choice and --grammar")
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind in ("json_schema", "lark"):
+        path = Path(value)
+        if not path.is_file():
+            raise BlockdraftError(f"--{kind.replace('_', '-') if kind != 'lark' else 'grammar'}: no file {value}")
+        value = path.read_text()
+    if kind == "choice":
+        value = [c for c in value.split(",")]
+    return GrammarSpec(kind, value)
+
+
+def add_grammar_args(p) -> None:
+    g = p.add_argument_group("structured output (lossless with every method; see docs/structured.md)")
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    g.add_argument("--choice", metavar="A,B,...", help="the output is one of these comma-separated strings")
+    g.add_argument("--grammar", metavar="FILE", help="the output follows this Lark (EBNF-style) grammar file")
+
+
 def cmd_generate(args) -> int:
     tree_budget(args)
+    grammar = grammar_from(args)
     engine = load_engine(args, [args.method])
     kwargs = sampling_kwargs(args)
+    if grammar is not None:
+        kwargs["grammar"] = engine.grammar(grammar)
     spec = spec_from(args)
     if args.json:
         out = engine.generate(args.prompt, method=spec, **kwargs)
@@ -60,6 +98,7 @@ def register(sub, methods) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=methods.names(), default="dflash", help=methods.help_text())
     g.add_argument("--json", action="store_true", help="print one JSON object (the stable contract)")
+    add_grammar_args(g)
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -2,8 +2,9 @@
 
 Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models,
 POST /v1/completions, POST /v1/chat/completions (`stream: true` as server-sent
-events in OpenAI's chunk format). Bodies are parsed and checked by hand so that
-any malformed input gets a 4xx in OpenAI's error shape, never a 5xx.
+events in OpenAI's chunk format; structured outputs and tool calls: `serve.tools`).
+Bodies are parsed and checked by hand so that any malformed input gets a 4xx in
+OpenAI's error shape, never a 5xx.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .metrics import Metrics
 from .reader import RequestReader
 from .scheduler import QueueFull, Scheduler, ShuttingDown
+from .tools import CallStream, call_chunks, parse_call
 
 log = logging.getLogger("blockdraft.serve")
 
@@ -182,10 +184,14 @@ def create_app(server: Server, start_scheduler: bool = True):
             body = await server.reader.read_json(request)
             server.reader.check_model(body)
             server.reader.check_fields(body, chat)
-            # tokenizing a long prompt takes a while: off the event loop, so other requests go on
-            prompt_ids = await asyncio.to_thread(server.reader.chat_prompt if chat else server.reader.completion_prompt, body)
+            # compiling a grammar (cached) and tokenizing a long prompt take a while: off the event loop
+            tools, grammar = await asyncio.to_thread(server.reader.structured, body, chat)
+            if chat:
+                prompt_ids = await asyncio.to_thread(server.reader.chat_prompt, body, tools)
+            else:
+                prompt_ids = await asyncio.to_thread(server.reader.completion_prompt, body)
             row, stream, include_usage = server.reader.sampling(body, len(prompt_ids), None if chat else 16,
-                                                         "messages" if chat else "prompt")
+                                                         "messages" if chat else "prompt", grammar)
             return_ids = check_field(body, "return_token_ids", bool, False, what="a boolean")
             if return_ids and stream:
                 raise ApiError(400, "'return_token_ids' is supported without streaming only", "return_token_ids")
@@ -235,13 +241,17 @@ def create_app(server: Server, start_scheduler: bool = True):
 
             async def events():
                 handle, scored = None, 0  # tokens whose logprobs were sent
+                calls = CallStream(tools) if tools is not None else None  # holds back what may be a tool call
                 try:
-                    if chat:
-                        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                    if chat:  # (content null, as OpenAI's, where the answer may be a tool call)
+                        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                               "content": None if calls else ""},
                                                          "logprobs": None, "finish_reason": None}]})
                     item = first
                     while True:
                         delta, handle, ended = item
+                        if calls is not None:
+                            delta = calls.feed(delta)
                         if delta:  # with the logprobs of the tokens scored since the last chunk
                             lp = logprobs(handle.state, scored)
                             scored += count(lp)
@@ -249,9 +259,20 @@ def create_app(server: Server, start_scheduler: bool = True):
                         if ended:
                             break
                         item = await gen.__anext__()
+                    finish = server.finish_reason(handle)
+                    if calls is not None and calls.held:  # what was held back: a whole tool call, or text
+                        call = parse_call(calls.held, tools)
+                        if call is not None:
+                            finish = "tool_calls"
+                            for piece in call_chunks(call):
+                                yield _sse({**base, "choices": [{"index": 0, "delta": piece, "logprobs": None,
+                                                                 "finish_reason": None}]})
+                        else:  # a call cut short (max_tokens) is its text, never a call
+                            lp = logprobs(handle.state, scored)
+                            scored += count(lp)
+                            yield _sse({**base, "choices": [choice(calls.held, None, lp)]})
                     # the last chunk: the finish reason (and the logprobs of tokens without text, if any)
                     lp = logprobs(handle.state, scored)
-                    finish = server.finish_reason(handle)
                     yield _sse({**base, "choices": [choice("", finish, lp if count(lp) else None)]})
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": server.usage(handle)})
@@ -281,8 +302,11 @@ def create_app(server: Server, start_scheduler: bool = True):
         finish = server.finish_reason(handle)
         lp = logprobs(handle.state, 0)
         if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": finish}]
+            message = {"role": "assistant", "content": text}
+            call = parse_call(text, tools) if tools is not None else None  # a whole call only, never a cut one
+            if call is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            choices = [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}]
         else:
             choices = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]
         reply = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,

@@ -25,8 +25,8 @@ class ApiError(Exception):
 
 
 # fields of OpenAI's API this server does not implement, with the values that mean "not used"
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-               "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
+# (`tools` and `response_format` are implemented: `serve.tools`; the deprecated `functions` are not)
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "echo": (None, False), "suffix": (None, ""),
                "logit_bias": (None, {}), "best_of": (None, 1)}
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds: top_logprobs (chat), logprobs (legacy)
 

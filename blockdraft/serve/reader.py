@@ -16,16 +16,17 @@ from ..errors import BlockdraftError
 from ..sampling import MAX_TOP_K
 from .checks import (MAX_TOP_LOGPROBS, UNSUPPORTED, ApiError, ClientGone, check_field, check_number, check_stops,
                      check_text)
+from .tools import Tools, call_text, compile_grammar, read_tools, response_format
 
 # the body fields each endpoint reads: implemented, or refused by `unsupported` unless at their neutral value
 # (`user` only labels the caller: it changes no answer); any other field is refused by name, as OpenAI does
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "n", "logprobs", "top_logprobs", "user", "logit_bias", "presence_penalty",
            "frequency_penalty", "top_k", "return_token_ids"}  # (the last two: extensions, as vLLM's)
-FIELDS = {"chat": _COMMON | {"messages", "functions", "function_call"},
-          "completions": _COMMON | {"prompt", "echo", "suffix", "best_of"}}
-# structured outputs, read elsewhere on either endpoint: never refused here as unknown
-STRUCTURED = {"response_format", "tools", "tool_choice", "parallel_tool_calls"}
+# structured outputs (`serve.tools`): response_format on both endpoints (as vLLM), tools in chat only (as OpenAI)
+FIELDS = {"chat": _COMMON | {"messages", "functions", "function_call", "response_format", "tools", "tool_choice",
+                             "parallel_tool_calls"},
+          "completions": _COMMON | {"prompt", "echo", "suffix", "best_of", "response_format"}}
 PENALTIES = ("presence_penalty", "frequency_penalty")  # not implemented: only 0 (no penalty) is accepted
 
 
@@ -96,7 +97,7 @@ class RequestReader:
         silently ignored), in OpenAI's words."""
         known = FIELDS["chat" if chat else "completions"]
         for name in body:
-            if name not in known and name not in STRUCTURED:
+            if name not in known:
                 raise ApiError(400, f"Unrecognized request argument supplied: {shown(name)}", shown(name))
 
     def unsupported(self, body: dict):
@@ -126,7 +127,15 @@ class RequestReader:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (k or 0) if on else None
 
-    def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages"):
+    def structured(self, body: dict, chat: bool):
+        """The request's tools (None: none) and its compiled grammar (None: free text); a 400 naming
+        `response_format` or `tools` for one that is malformed or cannot be compiled."""
+        answer = response_format(body)
+        tools = read_tools(body) if chat else None
+        return tools, compile_grammar(self.engine, answer, tools)
+
+    def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages",
+                 grammar=None):
         n = check_field(body, "n", int, 1, check=lambda v: v == 1, what="1 (one choice per request)")
         del n
         self.unsupported(body)
@@ -169,7 +178,8 @@ class RequestReader:
                 raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
             include_usage = usage is True
         try:
-            row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, check_stops(body))
+            row = self.engine.make_row([], max_tokens, temperature, top_p, max(top_k, 0), seed, check_stops(body),
+                                       grammar)
         except BlockdraftError as exc:
             raise ApiError(400, str(exc)) from None
         row.request.logprobs = logprobs
@@ -197,16 +207,21 @@ class RequestReader:
             raise ApiError(400, f"the prompt has {chars} characters, more than this server's context of "
                                 f"{self.max_model_len} tokens can hold", param)
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_prompt(self, body: dict, tools: Tools | None = None) -> list[int]:
+        """The conversation's token ids: tool results as user turns (`<tool_response>`), an
+        assistant's tool calls in the format the model writes them, the tools in the system turn."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        clean = []
+        clean, results = [], []  # results: which turns hold tool results (consecutive ones are merged)
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                raise ApiError(400, f"messages[{i}] must be an object with role system, user or assistant",
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+                raise ApiError(400, f"messages[{i}] must be an object with role system, user, assistant or tool",
                                "messages")
+            calls = m.get("tool_calls") if m["role"] == "assistant" else None
             content = m.get("content")
+            if content is None and calls:  # (OpenAI's assistant turn that only calls tools)
+                content = ""
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
@@ -215,10 +230,43 @@ class RequestReader:
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string", "messages")
             check_text(content, "messages")
-            role = "system" if m["role"] == "developer" else m["role"]
+            if calls is not None:
+                content = "\n".join([content] * bool(content) + [call_text(c) for c in self.tool_calls(calls, i)])
+            if m["role"] == "tool":
+                content = f"<tool_response>\n{content}\n</tool_response>"
+                if results and results[-1]:
+                    clean[-1]["content"] += "\n" + content
+                    continue
+            role = {"developer": "system", "tool": "user"}.get(m["role"], m["role"])
             clean.append({"role": role, "content": content})
+            results.append(m["role"] == "tool")
+        if tools is not None:  # the tools in the system turn (the first one, or a new one)
+            if clean[0]["role"] == "system":
+                clean[0]["content"] += "\n\n" + tools.system_text()
+            else:
+                clean.insert(0, {"role": "system", "content": tools.system_text()})
         self.check_length(sum(len(m["content"]) for m in clean), "messages")
         try:
             return self.engine.encode_chat(clean)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+
+    @staticmethod
+    def tool_calls(calls, i: int) -> list[dict]:
+        """An assistant turn's `tool_calls`, checked: [{"name", "arguments" (JSON text)}]."""
+        where = f"messages[{i}].tool_calls"
+        if not isinstance(calls, list):
+            raise ApiError(400, f"{where} must be a list", "messages")
+        out = []
+        for j, c in enumerate(calls):
+            f = c.get("function") if isinstance(c, dict) else None
+            if (not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str)
+                    or not isinstance(f.get("arguments"), str)):
+                raise ApiError(400, f"{where}[{j}] must be {{\"type\": \"function\", \"function\": "
+                                    f"{{\"name\": ..., \"arguments\": ...}}}}", "messages")
+            try:
+                json.loads(f["arguments"])
+            except (ValueError, RecursionError):
+                raise ApiError(400, f"{where}[{j}].function.arguments must be JSON text", "messages") from None
+            out.append({"name": check_text(f["name"], "messages"), "arguments": check_text(f["arguments"], "messages")})
+        return out
