@@ -305,18 +305,21 @@ class DecodeLoop:
         return [b for b in range(rows) if self.matchers[b] is not None
                 and self.states[b] is not None and not self.states[b].finished]
 
-    def _constrain(self, drafts: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """A chain's drafts of grammar rows made to follow their grammars (`chain_masks`), and
-        those rows' masks of the verified positions: {row: masks}."""
+    def _constrain(self, drafts: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """A chain's drafts of grammar rows made to follow their grammars (`chain_masks`, with the
+        drafter's best allowed token where the proposer offers one), and those rows' masks of the
+        verified positions: {row: masks}."""
         masks = {}
         if drafts.shape[1] == 0:
             return drafts, {b: [self.matchers[b].allowed()] for b in self._grammar_rows(drafts.shape[0])}
         rows = self._grammar_rows(drafts.shape[0])
         if not rows:
             return drafts, masks
-        lists = drafts.tolist()
+        lists, last = drafts.tolist(), pending.tolist()
+        best = getattr(self.proposer, "best_allowed", None)
         for b in rows:
-            lists[b], masks[b] = chain_masks(self.matchers[b], lists[b])
+            rescore = None if best is None else (lambda i, prev, mask, b=b: best(b, i, prev, mask))
+            lists[b], masks[b] = chain_masks(self.matchers[b], lists[b], last[b], rescore)
         return torch.tensor(lists, dtype=drafts.dtype, device=drafts.device), masks
 
     def _mask_tree(self, tree) -> dict:
@@ -399,22 +402,26 @@ class DecodeLoop:
         t1 = clock(device)
         policy.drafted(batch, t1 - t0)
         tree = chosen if self.proposer.drafts_trees else None
+        tg = time.perf_counter()
         if tree is not None:
             block = tree.tokens
             masks = self._mask_tree(tree)
             positions, slots, mask, groups = self.state.tree_layout(tree, committed, group_rows)
         else:
-            drafts, masks = self._constrain(chosen)
+            drafts, masks = self._constrain(chosen, pending)
             block = torch.cat([pending[:, None], drafts], dim=1)
             positions = committed[:, None] + torch.arange(block.shape[1], device=device)
             slots, mask, groups = self.state.chain_layout(positions, group_rows)
+        grammar_seconds = time.perf_counter() - tg
         width = block.shape[1]  # the verified tokens: the pending one and the drafts
         hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
                                        groups=groups, capture=self.proposer.capture_layers)
         logits = self.target.logits(hidden)
         self.proposer.observe_logits(logits, positions, rows)
+        tg = time.perf_counter()
         for b, row_masks in masks.items():  # each grammar row's distributions, masked along its paths
             apply_masks(logits[b], row_masks)
+        grammar_seconds += time.perf_counter() - tg
         target_ids, failed = self._sample(logits, positions + 1, rows)
         scoring = [b for b in occupied if self.requests[b].logprobs is not None and not self.states[b].finished]
         if not scoring:
@@ -446,7 +453,9 @@ class DecodeLoop:
             state.accepted_per_step.append((a, drafted))
             before = len(state.output_ids)
             new_ids[self.keys[b]] = emit(req, state, drafts_list[b][:a] + [bonus_list[b]])
+            tg = time.perf_counter()
             self._advance(b, new_ids[self.keys[b]])
+            grammar_seconds += time.perf_counter() - tg
             if b in scored:
                 keep_logprobs(state, scored[b], before)
             finished[self.keys[b]] = state.finished
@@ -458,4 +467,5 @@ class DecodeLoop:
         t3 = time.perf_counter()
         finished.update({k: True for k in failed})
         return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
+                    grammar_seconds=grammar_seconds,
                     batch=batch, block_size=width, drafted=policy.depth, failed=failed)

@@ -218,6 +218,20 @@ class DrafterBase(nn.Module):
             return self.markov_chain(hidden, lm_head_weight, previous)[0]
         return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
 
+    def best_allowed(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: int,
+                     mask: torch.Tensor) -> int | None:
+        """The most probable token (target id) among those `mask` [vocab] allows at one draft
+        position (final hidden state [H]; `previous` the token before it, for a Markov head), or
+        None if the drafter's vocabulary holds none of them."""
+        logits = self.draft_logits(hidden[None], lm_head_weight)[0]
+        if getattr(self, "markov_head", None) is not None:
+            logits = self._corrected(logits[None], torch.tensor([previous], device=logits.device))[0]
+        vocab = getattr(self, "draft_vocab", None)
+        allowed = (mask[vocab.cpu()] if vocab is not None else mask[: logits.shape[0]]).to(logits.device)
+        if not bool(allowed.any()):
+            return None
+        return int(self.to_target_ids(logits.masked_fill(~allowed, float("-inf")).argmax()[None])[0])
+
     def markov_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int, previous: torch.Tensor):
         """A Markov-head drafter's candidates for a tree, where each position's distribution
         depends on the token before it. Returns (tokens [B, n, k], probs [B, n, k], children):

@@ -70,6 +70,7 @@ class Generation:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # of those, structured output's (masks, draft constraints)
     steps: int = 0
 
     def to_dict(self) -> dict:
@@ -108,6 +109,7 @@ class Engine:
                  target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
                  packed: bool = False, draft_weights: str = "float"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self._grammar_lock = threading.Lock()
         self.draft_weights = draft_weights  # "float" or "int8": what drafters loaded later are turned into
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
@@ -339,12 +341,13 @@ class Engine:
         import json
 
         key = (spec.kind, json.dumps(spec.source, sort_keys=True))
-        cache = self.__dict__.setdefault("_grammars", {})
-        if key not in cache:
-            if len(cache) >= 64:  # a server sees many schemas: keep the newest
-                cache.pop(next(iter(cache)))
-            cache[key] = Grammar(spec, self.tokenizer, self.target.config.vocab_size, tuple(self.stop_token_ids))
-        return cache[key]
+        with self._grammar_lock:  # the server's request threads compile concurrently
+            cache = self.__dict__.setdefault("_grammars", {})
+            if key not in cache:
+                if len(cache) >= 64:  # a server sees many schemas: keep the newest
+                    cache.pop(next(iter(cache)))
+                cache[key] = Grammar(spec, self.tokenizer, self.target.config.vocab_size, tuple(self.stop_token_ids))
+            return cache[key]
 
     def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
@@ -391,6 +394,7 @@ class Engine:
             prefill_seconds=sum(s.prefill_seconds for s in steps),
             draft_seconds=sum(s.draft_seconds for s in steps),
             verify_seconds=sum(s.verify_seconds for s in steps),
+            grammar_seconds=sum(s.grammar_seconds for s in steps),
             steps=len(lengths),
         )
 

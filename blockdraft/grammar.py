@@ -194,25 +194,33 @@ def block_masks(matcher: Matcher, tokens: list[int], parents: list[int]) -> list
     return masks
 
 
-def chain_masks(matcher: Matcher, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+def chain_masks(matcher: Matcher, drafts: list[int], pending: int | None = None,
+                rescore=None) -> tuple[list[int], list[torch.Tensor | None]]:
     """A chain's drafts made to follow the grammar, and the masks of its verified positions (the
     pending token's, then each draft's). Walking the drafts in order, a draft the state does not
     allow is replaced by the one token the state allows where it allows only one (JSON keys and
-    punctuation under a schema: the drafter need not guess what the grammar forces); where it allows
-    several the chain stops being reachable there (None masks: never accepted). Drafts only change
-    what is proposed, never what is accepted. The matcher ends where it started."""
+    punctuation under a schema: the drafter need not guess what the grammar forces), else by the
+    drafter's own best allowed token, `rescore(i, previous token, mask)` (None: it has none), from
+    there on for every later draft too (a Markov head's drafts depend on the token before them);
+    without one the chain stops being reachable there (None masks: never accepted). Drafts only
+    change what is proposed, never what is accepted. The matcher ends where it started."""
     out, masks, consumed = list(drafts), [], 0
+    replaced = False
     for i in range(len(out) + 1):
         mask = matcher.allowed()
         masks.append(mask)
         if i == len(out):
             break
-        if not bool(mask[out[i]]):
+        if replaced or not bool(mask[out[i]]):
             only = mask.nonzero()
-            if only.shape[0] != 1:
+            pick = int(only[0, 0]) if only.shape[0] == 1 else None
+            if pick is None and rescore is not None:
+                pick = rescore(i, out[i - 1] if i else pending, mask)
+            if pick is None:
                 masks += [None] * (len(out) - i)
                 break
-            out[i] = int(only[0, 0])
+            replaced = replaced or pick != out[i]
+            out[i] = pick
         if out[i] in matcher.grammar.eos:  # the row ends there: nothing after it is accepted
             masks += [None] * (len(out) - i)
             break

@@ -138,6 +138,7 @@ class DFlashProposer(Proposer):
 
     def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         hidden = self.block_hidden(last_tokens, positions, n, rows)
+        self._hidden = hidden  # for `best_allowed` (structured output)
         if hidden is None:
             return Draft(last_tokens.new_zeros(last_tokens.shape[0], 0))
         head = self.target.lm_head.weight
@@ -145,6 +146,13 @@ class DFlashProposer(Proposer):
             return Draft(self.drafter.draft_tokens(hidden, head, last_tokens))
         tokens, p = self.drafter.draft_candidates(hidden, head, 1, last_tokens)
         return Draft(tokens[..., 0], p[..., 0])
+
+
+    def best_allowed(self, row: int, i: int, previous: int, mask: torch.Tensor) -> int | None:
+        """The drafter's most probable token among those `mask` allows at draft position i of `row`
+        in the last proposal, given the token before it (a Markov head's correction); None if its
+        vocabulary holds none of them."""
+        return self.drafter.best_allowed(self._hidden[row, i], self.target.lm_head.weight, previous, mask)
 
 
 class DFlashTreeProposer(DFlashProposer):

@@ -62,6 +62,7 @@ class Step:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # structured output: masks, draft constraints, matcher moves
     total_seconds: float = 0.0
     prefill: bool = False
     batch: int = 0  # occupied slots this step

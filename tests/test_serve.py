@@ -424,9 +424,10 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
         r = post(server, "/v1/chat/completions", {**chat, "temperature": tiny, "seed": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
     check_streams(*streams)
-    # features the server does not implement are refused, never ignored; the prompt's own field is named
-    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                  {"response_format": {"type": "json_object"}}, {"best_of": 2}, {"logit_bias": {"5": 1}}):
+    # features the server does not implement are refused, never ignored, and so are malformed tools and
+    # response formats (tests/test_structured_serve.py); the prompt's own field is named
+    for extra in ({"tools": [{"type": "function", "function": {}}]}, {"functions": [{"name": "f"}]},
+                  {"response_format": {"type": "xml"}}, {"best_of": 2}, {"logit_bias": {"5": 1}}):
         r = post(server, "/v1/chat/completions", {**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), extra
     for extra in ({"echo": True}, {"suffix": "x"}):

@@ -331,3 +331,20 @@ def test_the_auto_grammar_with_a_response_format(engine):
     assert all(m.advance(t) for t in engine.tokenizer("Hello <tool_call>", add_special_tokens=False).input_ids)
     m = text_or_call.matcher()
     assert not all(m.advance(t) for t in engine.tokenizer("<tool_call>Hello", add_special_tokens=False).input_ids)
+
+
+def test_a_parameters_schema_with_refs(engine):
+    """Each function's schema is its own root in the grammar: its `$ref`s to `#/$defs` resolve."""
+    params = {"type": "object", "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+    tools = read_tools({"tools": [CLOCK, {"type": "function", "function": {"name": "f", "parameters": params}}],
+                        "tool_choice": "required"})
+    grammar = compile_grammar(engine, None, tools)
+
+    def accepts(text: str) -> bool:
+        m = grammar.matcher()
+        return all(m.advance(t) for t in engine.tokenizer(text, add_special_tokens=False).input_ids) and m.accepting
+
+    assert accepts('<tool_call>{"name":"f","arguments":{"city":"Rome"}}</tool_call>')
+    assert not accepts('<tool_call>{"name":"f","arguments":{"city":"Oslo"}}</tool_call>')
+    assert not accepts("Rome")

@@ -119,7 +119,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             ids = engine.encode("Hello", chat=True)
             for m in parsed:
                 _generate(engine, peers, m, ids, 4, temperature, seed, grammar)
-        keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "steps")
+        keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "grammar_seconds", "steps")
         per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
                for m in parsed}
         bar = tqdm(total=len(records) * repeats, desc="bench", unit="prompt", dynamic_ncols=True)
@@ -141,6 +141,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                         p["seconds"] += out.decode_seconds
                         p["prefill_seconds"] += out.prefill_seconds
                         p["draft_seconds"] += out.draft_seconds
+                        p["grammar_seconds"] += out.grammar_seconds
                         p["verify_seconds"] += out.verify_seconds
                         p["steps"] += out.steps
                         rep_tokens[m.name][0] += out.num_output_tokens
@@ -176,6 +177,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             "prefill_seconds": p["prefill_seconds"],
             "draft_seconds": p["draft_seconds"],
             "verify_seconds": p["verify_seconds"],
+            "grammar_seconds": p["grammar_seconds"],  # within draft + verify: structured output's share
             "other_seconds": max(0.0, p["seconds"] - p["prefill_seconds"] - p["draft_seconds"] - p["verify_seconds"])
             if p["steps"] else None,
             "seconds_per_step": {"draft": p["draft_seconds"] / steps, "verify": p["verify_seconds"] / steps}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -48,6 +49,7 @@ class RequestReader:
         self.body_timeout = body_timeout  # seconds a client may take between two pieces of its body
         # the longest token's text (a byte-level token's string is at least as long as its text)
         self.max_token_chars = max(8, max((len(t) for t in engine.tokenizer.get_vocab()), default=8))
+        self.compiling = threading.Lock()  # one grammar compiled at a time
 
     async def read_json(self, request: Request) -> dict:
         kind = request.headers.get("content-type")
@@ -132,7 +134,10 @@ class RequestReader:
         `response_format` or `tools` for one that is malformed or cannot be compiled."""
         answer = response_format(body)
         tools = read_tools(body) if chat else None
-        return tools, compile_grammar(self.engine, answer, tools)
+        if answer is None and tools is None:
+            return None, None
+        with self.compiling:  # (the engine's grammar cache is not thread-safe; compiling one is ms)
+            return tools, compile_grammar(self.engine, answer, tools)
 
     def sampling(self, body: dict, prompt_len: int, default_max: int | None, prompt_param: str = "messages",
                  grammar=None):

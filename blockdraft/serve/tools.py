@@ -195,14 +195,14 @@ def compile_grammar(engine, answer: GrammarSpec | None, tools: Tools | None):
         raise ApiError(400, f"response_format: {exc}", "response_format") from None
     if tools is None:
         return compiled
-    for i, f in enumerate(tools.functions):  # each schema alone first: the error names its tool
-        try:
-            engine.grammar(GrammarSpec("json_schema", f["parameters"]))
-        except BlockdraftError as exc:
-            raise ApiError(400, f"tools[{i}].function.parameters: {exc}", "tools") from None
     try:
         return engine.grammar(GrammarSpec("lark", tools.lark(answer)))
     except BlockdraftError as exc:
+        for i, f in enumerate(tools.functions):  # each schema alone: the error names the tool at fault
+            try:
+                engine.grammar(GrammarSpec("json_schema", f["parameters"]))
+            except BlockdraftError as bad:
+                raise ApiError(400, f"tools[{i}].function.parameters: {bad}", "tools") from None
         raise ApiError(400, f"tools: {exc}", "tools") from None
 
 
@@ -222,7 +222,8 @@ def parse_call(text: str, tools: Tools) -> dict | None:
         return None
     head = '{"name":' + json.dumps(call["name"]) + ',"arguments":'
     # the arguments as the model wrote them (the grammar's layout), else re-serialised
-    arguments = inner[len(head): -1] if inner.startswith(head) and inner.endswith("}") else json.dumps(call["arguments"])
+    as_written = inner.startswith(head) and inner.endswith("}")
+    arguments = inner[len(head): -1] if as_written else json.dumps(call["arguments"])
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": call["name"], "arguments": arguments}}
 
