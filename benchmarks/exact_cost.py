@@ -51,8 +51,13 @@ def measure(args) -> None:
                         if i:
                             times.setdefault(f"{dt} {'exact' if ex else 'fastest'} {w}", []).append(
                                 time.perf_counter() - t)
+    bandwidth = read_bandwidth()
+    floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex), e in engines.items() if ex}
     out = {"machine": {"processor": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "flags": cpu_flags(), "bf16_speedup": bf16_speedup()},
+                       "flags": cpu_flags(), "bf16_speedup": bf16_speedup(), "read_gb_per_s": round(bandwidth / 1e9, 1)},
+           "floor_ms": floor,
+           "kernels": {f"{dt} {'exact' if ex else 'fastest'}": (getattr(e.target, "exactness", None) or {}).get("kernels", {})
+                       for (dt, ex), e in engines.items()},
            "context": context, "command": " ".join(sys.argv),
            "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
            "exactness": {f"{dt} {'exact' if ex else 'fastest'}": e.precision()["exact"]
@@ -60,6 +65,28 @@ def measure(args) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1))
     print(table_of(out))
+
+
+def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
+    """Bytes per second this machine reads, summing a 1 GiB tensor on every thread (median)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a plain step reads once (each tensor once: a tied LM head is the embedding)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
 
 
 def table_of(res: dict) -> str:
@@ -76,6 +103,12 @@ def table_of(res: dict) -> str:
         cells = [f"{ms[f'{name} {w}']:.1f}" + ("" if w == 1 else f" ({ms[f'{name} {w}'] / one:.2f})")
                  for w in WIDTHS]
         lines.append(f"| {name} | {'yes' if exact else 'no'} | " + " | ".join(cells) + " |")
+    if res.get("floor_ms"):
+        lines += ["", f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB): "
+                  + ", ".join(f"{ms_:.1f} ms in {dt} (a plain exact step is {ms[f'{dt} exact 1'] / ms_:.1f}x that)"
+                              for dt, ms_ in res["floor_ms"].items())
+                  + ". Exact kernels: " + "; ".join(f"{k}: " + ", ".join(f"{n} {c}" for n, c in v.items())
+                                                   for k, v in res["kernels"].items() if v) + "."]
     return "\n".join(lines)
 
 
