@@ -207,8 +207,12 @@ class DraftConfig:
             "use_sliding_window": self.sliding_window is not None,
             "vocab_size": self.vocab_size,
         }
-        if self.markov_rank:  # DSpark's keys
-            out.update({"markov_rank": self.markov_rank, "markov_head_type": "vanilla",
+        if self.markov_rank:  # a Markov head: the folder says it is DSpark's (DeepSpec's class and keys), so that
+            # every engine either runs all of it or refuses it (the authors' DFlash class would drop the head)
+            anchors = (self.extra.get("blockdraft") or {}).get("num_anchors", 32)
+            out.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": self.mask_token_id,
+                        "target_layer_ids": list(self.target_layer_ids), "num_anchors": anchors,
+                        "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
                         "enable_confidence_head": False})
         if self.markov_rank or self.sample_from_anchor:  # the layout, where a DSpark reader looks for it
             out["sample_from_anchor"] = self.sample_from_anchor

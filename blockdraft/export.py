@@ -61,6 +61,7 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     drafter = DFlashDrafter.load(src)
     cfg = drafter.config
     config = {k: v for k, v in cfg.to_dict().items() if k in PUBLISHED_KEYS}
+    config["architectures"] = [ARCHITECTURE]  # (a Markov-head drafter's own folder says DSpark: see below)
     config["dflash_config"] = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"}
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)

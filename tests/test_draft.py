@@ -66,6 +66,25 @@ def test_save_load_round_trip_gives_identical_draft_logits(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
+@pytest.mark.parametrize("markov, anchor", [(0, False), (8, False), (8, True)])
+def test_a_drafter_folder_says_what_it_is_and_loads_back(tmp_path, markov, anchor):
+    """A plain DFlash drafter is labelled DFlash (the authors' class loads all of it); one with a
+    Markov head is labelled DSpark (DeepSpec's class, top-level keys, its block layout), so the
+    authors' DFlash class never takes it and silently drops the head. Both load back equal."""
+    torch.manual_seed(1)
+    cfg = DraftConfig.for_target(tiny_target(), num_layers=1, block_size=4, mask_token_id=5, markov_rank=markov,
+                                 sample_from_anchor=anchor)
+    DFlashDrafter(cfg).save(tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    if markov:
+        assert raw["architectures"] == ["Qwen3DSparkModel"]
+        assert (raw["mask_token_id"], raw["target_layer_ids"], raw["num_anchors"]) == (5, cfg.target_layer_ids, 32)
+        assert raw["sample_from_anchor"] is anchor and raw["markov_rank"] == markov
+    else:
+        assert raw["architectures"] == ["DFlashDraftModel"] and "markov_rank" not in raw
+    assert DFlashDrafter.load(tmp_path / "d").config == cfg
+
+
 def test_config_has_exactly_the_published_keys(tmp_path):
     tiny_drafter().save(tmp_path / "d")
     ours = json.loads((tmp_path / "d" / "config.json").read_text())

@@ -200,9 +200,10 @@ def ship(args, run: Path, arch: str):
             head = sum(p.numel() for p in drafter.markov_head.parameters())
             shape += (f", a rank-{cfg['markov_rank']} Markov head ({head / 1e6:.1f}M of the parameters: each "
                       "position's logits corrected by the token before it, DSpark's vanilla head)")
-            fmt = ("The z-lab format plus DSpark's Markov-head keys (`markov_rank`, `markov_head_type`, "
-                   "`sample_from_anchor`); `blockdraft export drafter` writes DeepSpec's layout, `blockdraft export "
-                   "gguf-drafter` llama.cpp's draft-dspark GGUF.")
+            fmt = ("Labelled as DSpark's (`Qwen3DSparkModel`, with DeepSpec's top-level keys and the Markov-head "
+                   "keys `markov_rank`, `markov_head_type`, `sample_from_anchor`, `num_anchors`), so that an engine "
+                   "runs all of it or refuses it; `blockdraft export drafter` writes DeepSpec's layout, `blockdraft "
+                   "export gguf-drafter` llama.cpp's draft-dspark GGUF.")
     else:
         shape = (f"1 decoder layer, {n_params / 1e6:.1f}M parameters, chains of up to {cfg['block_size'] - 1} "
                  f"tokens (one pass per token), target layers {drafter.config.target_layer_ids} fused by `fc`")
