@@ -25,7 +25,7 @@ LLAMACPP_SRC := build/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 LLAMA_SERVER := build/llama.cpp/bin/llama-server
 JOBS ?= $(shell nproc)
 
-.PHONY: install demo test test-all prepare peers llama-server clean
+.PHONY: install demo test test-all lint prepare peers llama-server clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,7 +49,11 @@ demo: prepare
 
 # The default run leaves out the tests marked slow: load and fuzz runs of the server, and
 # checks that repeat a faster test's promise on more prompts (test-all runs them too).
-test: prepare
+# Lint first (seconds): ruff with the rules in pyproject.toml
+lint: install
+	$(VENV)/bin/ruff check blockdraft tests benchmarks tools
+
+test: prepare lint
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 test-all: prepare

@@ -68,7 +68,7 @@ def main():
             return engine.generate(ids, method="ar", max_new_tokens=n)
         return peer.generate(ids, max_new_tokens=n, temperature=0.0, seed=0)
 
-    for name, (engine, peer) in runs.items():  # warm-up
+    for _name, (engine, peer) in runs.items():  # warm-up
         generate(engine, peer, engine.encode("Hello", chat=True), 4)
     tps = {name: [] for name in runs}
     same = {name: 0 for name in runs}

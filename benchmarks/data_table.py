@@ -42,7 +42,8 @@ def describe(folder: Path) -> tuple[str, Counter, int, int, int, int]:
 def table(folders: list[Path]) -> str:
     rows = [(f, *describe(f)) for f in folders if f.is_dir()]
     names = sorted({s for r in rows for s in r[2]})
-    lines = ["| folder | answers | " + " | ".join(names) + " | samples | held out | distinct prompts | cut at the cap |",
+    lines = ["| folder | answers | " + " | ".join(names)
+             + " | samples | held out | distinct prompts | cut at the cap |",
              "|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     total = Counter()
     for f, how, sources, n, valid, prompts, cut in rows:

@@ -4,7 +4,8 @@ and τ with and without the window on long prompts (the README's figures).
     # draft time: one DFlash block (drafter forward + its LM head) at 512 / 2K / 8K tokens of context
     python benchmarks/draft_window.py cost [--contexts 512,2048,8000] [--windows none,256,512,1024,2048]
     # τ on long held-out ShareGPT conversations (the history as context, the last user turn answered)
-    python benchmarks/draft_window.py tau [--min-tokens 1500] [--max-tokens 3500] [--prompts 4] [--windows none,512,1024]
+    python benchmarks/draft_window.py tau [--min-tokens 1500] [--max-tokens 3500] [--prompts 4]
+        [--windows none,512,1024]
 
 `--doc FILE` also writes the table between FILE's `<!-- draft-window-cost -->` (or `-tau`) markers.
 
@@ -117,7 +118,8 @@ def cmd_tau(args, engine: Engine):
             r["tokens"] += out.num_output_tokens
             r["ar"] += ar.decode_seconds
     lines = [f"{len(prompts)} held-out ShareGPT conversations of {', '.join(str(len(p)) for p in prompts)} tokens, "
-             f"{args.max_new_tokens} new tokens each, greedy (every window's output equal to `ar`'s), {_where(engine)}.",
+             f"{args.max_new_tokens} new tokens each, greedy (every window's output equal to `ar`'s), "
+             f"{_where(engine)}.",
              "", "| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |", "|---|---|---|---|---|"]
     for w, r in results.items():
         steps = len(r["lengths"])

@@ -54,9 +54,11 @@ def measure(args) -> None:
     bandwidth = read_bandwidth()
     floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex), e in engines.items() if ex}
     out = {"machine": {"processor": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "flags": cpu_flags(), "bf16_speedup": bf16_speedup(), "read_gb_per_s": round(bandwidth / 1e9, 1)},
+                       "flags": cpu_flags(), "bf16_speedup": bf16_speedup(),
+                       "read_gb_per_s": round(bandwidth / 1e9, 1)},
            "floor_ms": floor,
-           "kernels": {f"{dt} {'exact' if ex else 'fastest'}": (getattr(e.target, "exactness", None) or {}).get("kernels", {})
+           "kernels": {f"{dt} {'exact' if ex else 'fastest'}":
+                       (getattr(e.target, "exactness", None) or {}).get("kernels", {})
                        for (dt, ex), e in engines.items()},
            "context": context, "command": " ".join(sys.argv),
            "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},

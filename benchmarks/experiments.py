@@ -114,7 +114,7 @@ def seconds_per_step(cfg: TrainConfig, steps: int = 6) -> float:
     probe = dataclasses.replace(cfg, out=str(Path(cfg.out) / "probe"), max_steps=1000, eval_every=10**9)
     trainer = Trainer(probe)
     times = []
-    for i in range(steps + 2):
+    for _i in range(steps + 2):
         t0 = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
@@ -130,7 +130,7 @@ def run(name: str, cfg: TrainConfig, extra: dict, trainer: Trainer | None = None
     """Train to cfg.max_steps (resuming), evaluate held-out τ at the end, append the result."""
     trainer = trainer or Trainer(cfg, resume=True)
     trainer.run()
-    records = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if l]
+    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if line]
     last = records[-1]
     blocks = trainer.evaluate_blocks(BLOCK_SAMPLES)
     result = {"run": name, "steps": last["step"], "tokens_seen": last["tokens_seen"],
@@ -551,8 +551,8 @@ def cmd_table(args):
         for r in served:
             acc = r["val_acc_served"] + [None]
             cells = [r["run"].split("/")[1], r["config"]["block_size"], r["config"]["num_anchors"], r["steps"],
-                     r["seconds_per_step"], r["served_block"], _num(r["tau_served"], 3), _num(r["tau_blocks_served"], 3),
-                     _num(acc[0], 3), _num(acc[1], 3), _num(r["tau_blocks"], 3)]
+                     r["seconds_per_step"], r["served_block"], _num(r["tau_served"], 3),
+                     _num(r["tau_blocks_served"], 3), _num(acc[0], 3), _num(acc[1], 3), _num(r["tau_blocks"], 3)]
             print("| " + " | ".join(str(c) for c in cells) + " |")
     scaling = [r for r in rows if r.get("kind") == "scaling"]
     if scaling:
@@ -560,7 +560,8 @@ def cmd_table(args):
         print("|---|---|---|---|---|---|---|---|")
         for r in sorted(scaling, key=lambda r: (r["arch"], r.get("schedule", ""), r["samples"])):
             print(f"| {r['arch']} | {r.get('schedule', 'separate')} | {r['samples']} | {r['epochs']} | {r['steps']} | "
-                  f"{_num(r['tau'], 3)} | {_num(r.get('tau_blocks'), 3)} | {_num((r.get('val_acc') or [None])[0], 3)} |")
+                  f"{_num(r['tau'], 3)} | {_num(r.get('tau_blocks'), 3)} | "
+                  f"{_num((r.get('val_acc') or [None])[0], 3)} |")
     if args.plot and scaling:
         import matplotlib
 

@@ -32,7 +32,8 @@ def table(args) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{reps[s]['methods']['dflash']['tau']:.2f}" if s in reps else "-"
                                                  for s in sets) + " |")
     m = first["machine"]
-    lines += ["", f"{first['num_prompts']} prompts a set, {first['max_new_tokens']} new tokens, T={first['temperature']}; "
+    lines += ["", f"{first['num_prompts']} prompts a set, {first['max_new_tokens']} new tokens, "
+                  f"T={first['temperature']}; "
                   f"{m['processor']}, {m['threads']} threads, drafters {m['draft_weights']}."]
     return "\n".join(lines)
 

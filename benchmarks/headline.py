@@ -38,7 +38,8 @@ def table(run: Path) -> str:
     lines += ["", f"{run}: {rep['num_prompts']} prompts per dataset, {rep['max_new_tokens']} new tokens, "
                   f"T={rep['temperature']}, first turns {'only' if rep['first_turn_only'] else 'and later'}; "
                   f"{mach['processor']}, {mach['threads']} threads, weights {mach.get('weights', mach['dtype'])}, "
-                  f"drafters {mach.get('draft_weights', 'float')}" + (f"; `ar` {ar} tok/s." if ar else " (no `ar` run).")]
+                  f"drafters {mach.get('draft_weights', 'float')}"
+                  + (f"; `ar` {ar} tok/s." if ar else " (no `ar` run).")]
     return "\n".join(lines)
 
 

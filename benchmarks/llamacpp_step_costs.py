@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=3)
-    ap.add_argument("--draft", type=Path, help="DFlash drafter folder (default: the one shipped for the default target)")
+    ap.add_argument("--draft", type=Path,
+                    help="DFlash drafter folder (default: the one shipped for the default target)")
     ap.add_argument("--layers", default="", help="also time Q8_0 cuts of the drafter to these layer counts, e.g. 1,2")
     args = ap.parse_args(argv)
     server = find_llama_server()

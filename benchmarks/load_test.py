@@ -128,7 +128,8 @@ def table(report: dict) -> str:
     ar = {r["concurrency"]: r["output_tokens_per_second"] for r in report["results"].get("ar", [])}
     lines = [f"{report['machine']['processor']}, {report['max_tokens']} new tokens, --max-batch {report['max_batch']}:",
              "",
-             "| server | concurrency | output tok/s | vs ar | latency p50 (s) | latency p90 (s) | TTFT p50 (s) | TPOT (ms) |",
+             "| server | concurrency | output tok/s | vs ar | latency p50 (s) | latency p90 (s) | "
+             "TTFT p50 (s) | TPOT (ms) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, rows in report["results"].items():
         for r in rows:

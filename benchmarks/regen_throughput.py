@@ -195,9 +195,10 @@ def compare_dtypes(args):
     same = sum(a[k] == b[k] for k in a)
     agreed = total = 0
     for k in a:  # answer tokens before the first difference, over fp32's answer lengths
-        n = next((i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y), min(len(a[k]), len(b[k])))
+        n = next((i for i, (x, y) in enumerate(zip(a[k], b[k], strict=False)) if x != y), min(len(a[k]), len(b[k])))
         agreed, total = agreed + n, total + len(a[k])
-    print(f"bf16 / fp32 rate: {', '.join(f'{y / x:.2f}' for x, y in zip(rates['float32'], rates['bfloat16']))}; "
+    print(f"bf16 / fp32 rate: "
+          f"{', '.join(f'{y / x:.2f}' for x, y in zip(rates['float32'], rates['bfloat16'], strict=False))}; "
           f"identical answers: {same} of {len(a)}; fp32 answer tokens before the first difference: "
           f"{agreed} of {total} ({agreed / max(total, 1):.1%}) ({torch.get_num_threads()} threads, {cpu_name()})")
 
@@ -237,7 +238,7 @@ def server_compare(args):
     for r in range(args.rounds):  # the order alternates between rounds
         for fn in ((server, in_process) if r % 2 else (in_process, server)):
             fn()
-    ratios = [s / i for s, i in zip(rates["server"], rates["in-process"])]
+    ratios = [s / i for s, i in zip(rates["server"], rates["in-process"], strict=False)]
     same = sum(len(a) == 2 * args.rounds and all(x == a[0] for x in a) for a in answers.values())
     print(f"server / in-process by round: {', '.join(f'{x:.2f}' for x in ratios)}; totals: "
           f"{sum(rates['server']) / sum(rates['in-process']):.2f}; identical answers: {same} of "

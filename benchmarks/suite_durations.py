@@ -25,7 +25,8 @@ def main(before: str, after: str) -> None:
     a, b = durations(before), durations(after)
     common = a.keys() & b.keys()
     print(f"tests timed: before {len(a)}, after {len(b)}, both {len(common)}")
-    print(f"seconds of the tests both ran: before {sum(a[k] for k in common):.0f}, after {sum(b[k] for k in common):.0f}")
+    print(f"seconds of the tests both ran: before {sum(a[k] for k in common):.0f}, "
+          f"after {sum(b[k] for k in common):.0f}")
     print(f"only after: {len(b.keys() - common)} tests, {sum(b[k] for k in b.keys() - common):.0f} s; "
           f"only before: {len(a.keys() - common)} tests, {sum(a[k] for k in a.keys() - common):.0f} s")
     for label, keys in (("slower", sorted(common, key=lambda k: a[k] - b[k])[:5]),

@@ -5,7 +5,7 @@ list of requests."""
 from __future__ import annotations
 
 import collections
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -118,7 +118,7 @@ def generate_steps(target: Transformer, proposer: Proposer, requests: list[Reque
     batcher = Batcher(DecodeLoop(target, proposer, block_size, batch, max_len, adaptive=adaptive))
     if shared_prefix:
         batcher.loop.share_prefix(shared_prefix)
-    for i, (req, state) in enumerate(zip(requests, states)):
+    for i, (req, state) in enumerate(zip(requests, states, strict=False)):
         batcher.submit(i, req, state)
     while batcher.busy:
         yield batcher.step()

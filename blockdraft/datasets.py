@@ -15,7 +15,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import BlockdraftError
 
@@ -132,7 +132,8 @@ def load_prompt_file(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BlockdraftError(f"{path}:{n}: not JSON ({exc})") from None
-        if not isinstance(rec.get("turns"), list) or not rec["turns"] or not all(isinstance(t, str) for t in rec["turns"]):
+        if (not isinstance(rec.get("turns"), list) or not rec["turns"]
+                or not all(isinstance(t, str) for t in rec["turns"])):
             raise BlockdraftError(f"{path}:{n}: expected {{\"turns\": [\"...\", ...]}}")
         rec.setdefault("id", f"{Path(path).stem}/{n}")
         out.append(rec)
@@ -172,7 +173,7 @@ def sharegpt_later_turns() -> Iterator[dict]:
     roles = {"human": "user", "gpt": "assistant"}
     for rec in iter_sharegpt():
         messages = []
-        for n, turn in enumerate(rec["conversation"]):
+        for _n, turn in enumerate(rec["conversation"]):
             role, text = roles.get(turn.get("from")), (turn.get("value") or "").strip()
             expected = "user" if len(messages) % 2 == 0 else "assistant"
             if role != expected or not text:
@@ -208,7 +209,8 @@ def leetcode() -> Iterator[dict]:
         stub = "".join(f"    def {m['name']}{m['signature']}:\n" for m in methods if m.get("name"))
         prompt = f"Solve this problem in Python.\n\n{text}"
         if stub:
-            prompt += f"\n\nComplete this code:\n```python\nclass {r.get('solution_class_name') or 'Solution'}:\n{stub}```"
+            prompt += (f"\n\nComplete this code:\n```python\n"
+                       f"class {r.get('solution_class_name') or 'Solution'}:\n{stub}```")
         yield {"id": f"leetcode/{r.get('problem_number') or path.stem}", "messages": _user(prompt)}
 
 

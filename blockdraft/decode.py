@@ -233,7 +233,7 @@ class DecodeLoop:
                                       f"({req.max_new_tokens}) does not fit the {self.max_len}-position cache")
         out = {}
         run: list = []
-        for slot, item in list(zip(free, items)) + [(None, None)]:
+        for slot, item in list(zip(free, items, strict=False)) + [(None, None)]:
             if run:
                 width = max(len(r[1][1].prompt_ids) for r in run)
                 if (slot is None or slot != run[-1][0] + 1 or self.target.recurrent
@@ -278,11 +278,12 @@ class DecodeLoop:
         scored = {}
         if want:  # only rows that asked pay for log-probabilities
             at = torch.tensor(want, device=device)
-            scored = dict(zip(want, token_logprobs(logits[at], first[at][:, None], [reqs[i].logprobs for i in want])))
+            scored = dict(zip(want, token_logprobs(logits[at], first[at][:, None], [reqs[i].logprobs for i in want]),
+                              strict=False))
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
         out = {}
-        for i, ((slot, (key, req, state)), t) in enumerate(zip(run, first.tolist())):
+        for i, ((slot, (key, req, state)), t) in enumerate(zip(run, first.tolist(), strict=False)):
             out[key] = [] if state.error else emit(req, state, [int(t)])
             self._advance(slot, out[key])
             if i in scored and not state.error:
@@ -364,7 +365,7 @@ class DecodeLoop:
             rows_logits = logits[at].gather(1, nodes[:, :, None].expand(-1, -1, logits.shape[-1]))
             tokens = target_ids[at].gather(1, nodes)
         scores = token_logprobs(rows_logits, tokens, [self.requests[b].logprobs for b in scoring])
-        return {b: s[: accepted[b] + 1] for b, s in zip(scoring, scores)}
+        return {b: s[: accepted[b] + 1] for b, s in zip(scoring, scores, strict=False)}
 
     def sort_rows(self):
         """Put occupied rows first, longest first, free slots last (keys move with their rows)."""

@@ -385,7 +385,7 @@ class DFlashDrafter(DrafterBase):
             raise BlockdraftError("drafter does not match the target: " + "; ".join(problems))
 
     @classmethod
-    def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
         cfg = DraftConfig.from_dict(read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE))
         drafter = load_weights(cls, cfg, folder, device, dtype)
         drafter.folder = Path(folder)  # where it came from (exports to other engines read the files)

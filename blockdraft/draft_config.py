@@ -90,7 +90,7 @@ class DraftConfig:
                    mask_token_id: int, target_layer_ids: list[int] | None = None,
                    intermediate_size: int | None = None, sliding_window: int | None = None,
                    full_layers: list[int] | None = None, markov_rank: int = 0,
-                   sample_from_anchor: bool = False) -> "DraftConfig":
+                   sample_from_anchor: bool = False) -> DraftConfig:
         """A drafter shaped like the target's layers (the published recipe). With
         `sliding_window`, every layer not in `full_layers` is a sliding-window layer."""
         ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
@@ -123,7 +123,7 @@ class DraftConfig:
         )
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "DraftConfig":
+    def from_dict(cls, raw: dict) -> DraftConfig:
         try:
             dflash = raw.get("dflash_config") or {}
             dspark = (raw.get("architectures") or [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE
@@ -132,8 +132,8 @@ class DraftConfig:
                 dflash = {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": raw.get("target_layer_ids"),
                           **{k: v for k, v in dflash.items() if v is not None}}
                 if raw.get("enable_confidence_head"):
-                    raise BlockdraftError("a DSpark drafter with a confidence head is not supported (the head is unused "
-                                          "by lossless verification; export it without one)")
+                    raise BlockdraftError("a DSpark drafter with a confidence head is not supported "
+                                          "(the head is unused by lossless verification; export it without one)")
             heads = raw["num_attention_heads"]
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)

@@ -14,7 +14,7 @@ it. Adding a drafter kind is one new module with those functions plus one `regis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -55,7 +55,7 @@ class EagleConfig:
 
     @classmethod
     def for_target(cls, target: TargetConfig, *, block_size: int = 8, target_layer_ids: list[int] | None = None,
-                   draft_vocab_size: int | None = None) -> "EagleConfig":
+                   draft_vocab_size: int | None = None) -> EagleConfig:
         return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
                    num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
                    intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
@@ -69,7 +69,7 @@ class EagleConfig:
         return {"architectures": [ARCHITECTURE], **asdict(self)}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "EagleConfig":
+    def from_dict(cls, raw: dict) -> EagleConfig:
         known = set(cls.__dataclass_fields__)
         try:
             return cls(**{k: v for k, v in raw.items() if k in known})
@@ -157,7 +157,7 @@ class EagleDrafter(DrafterBase):
     # ---- checkpoints ---------------------------------------------------------------------
 
     @classmethod
-    def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> "EagleDrafter":
+    def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> EagleDrafter:
         return load_weights(cls, EagleConfig.from_dict(read_config(folder, ARCHITECTURE)), folder, device, dtype)
 
     def check_target(self, target: TargetConfig):

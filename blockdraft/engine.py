@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -130,7 +131,7 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
              eagle: str | Path | None = None, packed: bool = True,
-             draft_weights: str = "auto", exact: bool = True) -> "Engine":
+             draft_weights: str = "auto", exact: bool = True) -> Engine:
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -237,18 +238,19 @@ class Engine:
             return chat_prompt_ids(self.tokenizer, prompt)
         return self.tokenizer(prompt).input_ids
 
-    def proposer(self, method: "str | SpecConfig") -> Proposer:
+    def proposer(self, method: str | SpecConfig) -> Proposer:
         """A fresh proposer for a registered method (see `blockdraft.methods`)."""
         return SpecConfig.of(method).build(self).proposer
 
     # ---- generation ----------------------------------------------------------------
 
-    def generate(self, prompts, *, chat: bool = False, method: "str | SpecConfig" = "dflash",
-                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    def generate(self, prompts, *, chat: bool = False, method: str | SpecConfig = "dflash",
+                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None,
                  stop: str | list[str] | None = None, block_size: int | None = None,
                  proposer: Proposer | None = None, shared_prefix: list[int] | None = None,
                  on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
-                 grammar: "GrammarSpec | Grammar | None" = None):
+                 grammar: GrammarSpec | Grammar | None = None):
         """Generate for one prompt (returns a `Generation`) or a list of them (returns a list).
 
         Prompts are strings (with `chat=True`, wrapped in the target's chat template as one
@@ -284,14 +286,14 @@ class Engine:
                     state.finish_reason = state.finish_reason or "abort"
                 break
             if on_text is not None:
-                for i, (row, state) in enumerate(zip(rows, states)):
+                for i, (row, state) in enumerate(zip(rows, states, strict=False)):
                     if step.new_ids.get(i) or state.finished:
                         delta = self.text_delta(row, state)
                         if delta:
                             on_text(i, delta)
         elapsed = time.perf_counter() - t0
         results = [self._result(row, state, steps, elapsed, spec.method, block_size)
-                   for row, state in zip(rows, states)]
+                   for row, state in zip(rows, states, strict=False)]
         return results[0] if single else results
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
@@ -329,7 +331,7 @@ class Engine:
         """Token ids of a conversation in the target's chat template, ready for the answer."""
         return chat_prompt_ids(self.tokenizer, messages)
 
-    def grammar(self, spec: "GrammarSpec | Grammar | None") -> "Grammar | None":
+    def grammar(self, spec: GrammarSpec | Grammar | None) -> Grammar | None:
         """A grammar compiled for this target's tokenizer (kept: the same spec compiles once), or a
         one-line `BlockdraftError` for one that cannot be compiled or matches nothing."""
         from .grammar import Grammar, GrammarSpec

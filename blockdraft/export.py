@@ -16,7 +16,8 @@ A drafter with a Markov head is written in DSpark's layout (DeepSpec's names and
 run) for drafters trained with `--draft-layout anchor`, false (drafts from the slot after the
 anchor) for the older ones: llama.cpp's converter reads that key (draft-dspark), vLLM's DSpark
 loader too; SGLang's refuses the false layout. A drafter in DSpark's layout has no plain DFlash
-equivalent (the published DFlash format drafts from slot 1), so it is never written as one. W2's draft-vocabulary rows are spread over the whole
+equivalent (the published DFlash format drafts from slot 1), so it is never written as one.
+W2's draft-vocabulary rows are spread over the whole
 vocabulary (zeros elsewhere), as the rest of the drafter scores it.
 """
 

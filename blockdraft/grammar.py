@@ -115,7 +115,7 @@ class Grammar:
         if not allowed.any() and not probe.accepting:  # at most a stop token, and the text not complete
             raise BlockdraftError(f"the {spec.kind.replace('_', ' ')} matches no text")
 
-    def matcher(self) -> "Matcher":
+    def matcher(self) -> Matcher:
         return Matcher(self)
 
 

@@ -18,7 +18,7 @@ draft tokens instead: `dflash-tree@32` verifies 32 tree nodes (a block of 33).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import BlockdraftError
 

@@ -136,7 +136,7 @@ class SpeculationPolicy:
             self.calibration.update(self.last, on_path, torch.tensor(live, device=accepted.device))
             self.last = None
         elif drafted and self.adaptive and not self.trees:  # (only the adaptive choices read them)
-            for a, is_live in zip(accepted_list, live):
+            for a, is_live in zip(accepted_list, live, strict=False):
                 if is_live:
                     self.acceptance.record(a, drafted)
         if self.gate is not None and self.depth:

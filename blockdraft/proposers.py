@@ -10,7 +10,7 @@ choice (`blockdraft.policy`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -217,7 +217,7 @@ class LookupProposer(Proposer):
         if n == 0:
             return Draft(out)
         hist = self.history[rows]
-        for b, (p, last) in enumerate(zip(positions.tolist(), last_tokens.tolist())):
+        for b, (p, last) in enumerate(zip(positions.tolist(), last_tokens.tolist(), strict=False)):
             seq = hist[b, : p + 1].copy()
             seq[p] = last
             draft = lookup_continuation(seq, n, self.max_ngram, self.min_ngram)

@@ -9,7 +9,7 @@ conditions, the length limit) and `check_requests` the one place a batch is vali
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -105,7 +105,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) 
     if k:
         values, ids = scores.topk(k, dim=-1)
         values, ids = values.tolist(), ids.tolist()
-    return [[(chosen[n][t], list(zip(ids[n][t][:k_n], values[n][t][:k_n])) if k_n else [])
+    return [[(chosen[n][t], list(zip(ids[n][t][:k_n], values[n][t][:k_n], strict=False)) if k_n else [])
              for t in range(len(chosen[n]))] for n, k_n in enumerate(tops)]
 
 

@@ -37,14 +37,15 @@ class SpecConfig:
     block: int | None = None  # overrides the @B; None: the method's default, else the trained size
     adaptive: bool | None = None  # None: the method's own (dflash-cut: adaptive)
     clamp: bool = False  # a block above the drafter's trained size is lowered to it (the server's --block-size)
-    window: int | str | None = "auto"  # DFlash drafters see the last W committed tokens ("auto": as trained; 0/None: all)
+    # DFlash drafters see the last W committed tokens ("auto": as trained; 0/None: all)
+    window: int | str | None = "auto"
 
     def __post_init__(self):
         methods.parse(self.method)  # an unknown method or a bad @B fails here, before anything loads
         check_window(self.window)
 
     @classmethod
-    def of(cls, method: "str | SpecConfig", block: int | None = None) -> "SpecConfig":
+    def of(cls, method: str | SpecConfig, block: int | None = None) -> SpecConfig:
         """A method string (with `block` overriding its @B) or a SpecConfig as it is."""
         if isinstance(method, SpecConfig):
             if block is not None and block != method.block:

@@ -49,7 +49,7 @@ class DraftTree:
         return self.tokens.shape[1]
 
     @classmethod
-    def chain(cls, last_tokens: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, last_tokens: torch.Tensor, drafts: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
         """A chain as a tree: the root, then drafts [B, n] one below the other."""
         b, n = drafts.shape
         idx = torch.arange(n + 1, device=drafts.device).expand(b, -1)
@@ -57,7 +57,7 @@ class DraftTree:
         probs = torch.cat([torch.ones(b, 1, device=drafts.device), probs], dim=1)
         return cls(torch.cat([last_tokens[:, None], drafts], dim=1), idx - 1, idx, probs.cumprod(1), probs)
 
-    def prefix(self, size: int) -> "DraftTree":
+    def prefix(self, size: int) -> DraftTree:
         """The first `size` nodes (the root included): a tree too, since parents come first."""
         return DraftTree(*(getattr(self, f)[:, :size] for f in ("tokens", "parents", "depths", "scores", "probs")))
 
@@ -100,7 +100,7 @@ class DraftTree:
 
 
 def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs: torch.Tensor,
-               nodes: int, calibration: "Calibration | None" = None, children=None) -> DraftTree:
+               nodes: int, calibration: Calibration | None = None, children=None) -> DraftTree:
     """Grow each row's tree best first from per-position candidates.
 
     cand_tokens / cand_probs [B, n, k]: for block positions 1..n, k distinct candidate tokens

@@ -20,7 +20,8 @@ def test_bench_json_contract(tmp_path, draft_dir):
     prompts.write_text(json.dumps({"turns": ["Name a colour.", "And another one?"]}) + "\n"
                        + json.dumps({"turns": ["def add(a, b):"], "extra": 1}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts),
-                           "--methods", "ar,hf,lookup,hf-lookup@4,dflash,dflash@4", "--max-new-tokens", "8", "--draft", str(draft_dir),
+                           "--methods", "ar,hf,lookup,hf-lookup@4,dflash,dflash@4", "--max-new-tokens", "8",
+                           "--draft", str(draft_dir),
                            "--dtype", "float32",  # HF's own generate (fp32) is one of the methods compared
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -45,7 +46,7 @@ def test_bench_json_contract(tmp_path, draft_dir):
         assert [p["token_ids"] for p in methods[name]["prompts"]] == [p["token_ids"] for p in methods["ar"]["prompts"]]
         # each verify step commits its acceptance length after the prefill's token (the last may be cut)
         for q in r["prompts"]:
-            for ids, lengths in zip(q["token_ids"], q["acceptance_lengths"]):
+            for ids, lengths in zip(q["token_ids"], q["acceptance_lengths"], strict=False):
                 assert not lengths or len(ids) - 1 <= sum(lengths) <= len(ids) - 2 + r["block_size"]
         assert 0 <= r["repetition"]["repeated_share"] <= 1
     report = (tmp_path / "out" / "report.md").read_text()

@@ -15,7 +15,8 @@ def test_eval_sets_load():
     assert he[0]["turns"][0].startswith("Write a solution to the following problem")
     assert "def has_close_elements" in he[0]["turns"][0]
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt)
-    assert len(gsm) == 100 and len({r["id"] for r in gsm}) == 100 and all(r["id"].startswith("gsm8k-test-") for r in gsm)
+    assert (len(gsm) == 100 and len({r["id"] for r in gsm}) == 100
+            and all(r["id"].startswith("gsm8k-test-") for r in gsm))
     assert gsm[0]["turns"][0].startswith("Melanie is a door-to-door saleswoman")
     assert gsm[0]["turns"][0].endswith("put your final answer within \\boxed{}.") and gsm[0]["answer"] == "18"
 
@@ -29,7 +30,7 @@ def test_packaged_training_sources_load_completely(name, low, high):
 
 
 def test_later_sharegpt_turns_carry_the_conversation_and_its_split():
-    later = [r for _, r in zip(range(300), PROMPT_SOURCES["sharegpt-later"]())]
+    later = [r for _, r in zip(range(300), PROMPT_SOURCES["sharegpt-later"](), strict=False)]
     assert later
     for r in later:
         roles = [m["role"] for m in r["messages"]]
@@ -81,7 +82,7 @@ def test_training_prompts_exclude_evaluation_prompts_and_long_ones(tokenizer):
     from blockdraft.train.data import training_prompts
 
     fps = ["allan brought two balloons and jake brought four balloons"]  # pretend ASDiv #3 is an eval prompt
-    prompts = [p for _, p in zip(range(50), training_prompts(tokenizer, "asdiv", 90, fingerprints=fps))]
+    prompts = [p for _, p in zip(range(50), training_prompts(tokenizer, "asdiv", 90, fingerprints=fps), strict=False)]
     assert len(prompts) == 50 and "asdiv/3" not in {p["id"] for p in prompts}
     assert all(len(p["prompt_ids"]) <= 90 and p["source"] == "asdiv" for p in prompts)
     assert all(p["split"] == ("valid" if is_validation(p["id"]) else "train") for p in prompts)
@@ -126,7 +127,7 @@ def test_regeneration_in_a_large_continuous_batch_equals_one_by_one(tmp_path):
     from blockdraft.train.data import answer_prompts, training_prompts
 
     engine = Engine.load(use_draft=False)
-    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256))]
+    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256), strict=False)]
     got = []
     stats = answer_prompts(engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append)
     assert stats.written == 7 == len(got) and stats.tokens == sum(len(s["answer_ids"]) for s in got)
@@ -155,7 +156,7 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     layers = feature_layers(args, engine)  # the shipped drafter's
     assert layers == [1, 14, 27]
     cache = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
-    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256))]
+    prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256), strict=False)]
     got = []
     stats = answer_prompts(engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append,
                            sort_every=2, features=cache)

@@ -65,7 +65,7 @@ def assert_same_or_tie(hf_model, prompt, ours, ref, label):
     """Token-for-token equality, or a divergence at a genuine fp32 tie (reported)."""
     if ours == ref:
         return
-    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    i = next((k for k, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
     top2 = logits.topk(2).values
@@ -86,7 +86,7 @@ def test_ar_equals_hf_greedy(packed, smol, smol_dir, hf_smol, chat_ids, hf_greed
     from blockdraft.models import load_target
 
     target = smol if packed else load_target(smol_dir)  # the plain path: every product through F.linear
-    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
+    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy, strict=False)):
         out = run(target, Proposer(), [ids], 1)[0]
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"ar prompt {k}")
         assert all(a == 1 for a in out.acceptance_lengths)
@@ -94,7 +94,7 @@ def test_ar_equals_hf_greedy(packed, smol, smol_dir, hf_smol, chat_ids, hf_greed
 
 @pytest.mark.slow
 def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_greedy, random_drafter):
-    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy)):
+    for k, (ids, ref) in enumerate(zip(chat_ids, hf_greedy, strict=False)):
         out = run(smol, DFlashProposer(random_drafter, smol), [ids], 16)[0]
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"dflash prompt {k}")
         a = out.acceptance_lengths  # one token from the prefill, then a[i] per step (the last may be cut)
@@ -106,7 +106,7 @@ def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, cha
     lens = [len(p) for p in chat_ids]
     proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens)
     states = run(smol, proposer, chat_ids, 16)  # all ten prompts in one batch
-    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
+    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy, strict=False)):
         assert out.output_ids == ours, f"perfect prompt {k}: differs from our own greedy output"
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"perfect prompt {k}")
         # the prefill gives the first token, then every step accepts its whole block of 16
@@ -120,7 +120,7 @@ def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, cha
     lens = [len(p) for p in chat_ids]
     proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, right=0)
     states = run(smol, proposer, chat_ids, 8)  # and a run-time block size below the trained 16
-    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy)):
+    for k, (ids, out, ours, ref) in enumerate(zip(chat_ids, states, ours_greedy, hf_greedy, strict=False)):
         assert out.output_ids == ours, f"wrong prompt {k}: differs from our own greedy output"
         assert_same_or_tie(hf_smol, ids, out.output_ids, ref, f"wrong prompt {k}")
         assert set(out.acceptance_lengths) == {1}
@@ -132,7 +132,7 @@ def test_batch_of_four_equals_each_prompt_alone(smol, chat_ids, random_drafter, 
     assert len({len(p) for p in prompts}) == 4
     alone = [run(smol, DFlashProposer(random_drafter, smol), [p], 16)[0].output_ids for p in prompts]
     together = run(smol, DFlashProposer(random_drafter, smol), prompts, 16)
-    for k, (p, a, t) in enumerate(zip(prompts, alone, together)):
+    for k, (p, a, t) in enumerate(zip(prompts, alone, together, strict=False)):
         assert_same_or_tie(hf_smol, p, t.output_ids, a, f"batch row {k}")
 
 
@@ -244,7 +244,7 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     reqs = [Request(p, max_new_tokens=N_NEW, stop_token_ids=(2,)) for p in prompts]
     for _ in generate_steps(smol, DFlashProposer(drafter, smol, draft_window=5), reqs, block, states, batch_size=2):
         pass
-    for out, truth in zip(states, truths):
+    for out, truth in zip(states, truths, strict=False):
         assert out.output_ids == truth
     assert any(a > 1 for s in unbounded for a in s.acceptance_lengths)  # drafts were accepted
 
@@ -283,7 +283,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
             # (from 0 without it); no forward ran the prefix again
             assert starts[0] == [len(prefix) if shared else 0] * 2
             assert not shared or all(min(s) > 0 for s in starts)
-            for i, state in zip(idx, states):
+            for i, state in zip(idx, states, strict=False):
                 assert_same_or_tie(hf_smol, chat_ids[i], state.output_ids, hf_greedy[i], f"{proposer.name} {i}")
             accepted[proposer.name, shared] = [s.acceptance_lengths for s in states]
     assert accepted["dflash", True] == accepted["dflash", False]
@@ -344,8 +344,8 @@ def test_a_markov_head_drafts_a_chain_on_the_token_before_and_decoding_stays_exa
     assert got_t == dist.indices.tolist() and got_p == pytest.approx(dist.values.tolist(), rel=1e-5)
     assert got_t != cand[1, 1].tolist()  # not the chain's candidates: its parent differs
     states = run(smol, DFlashProposer(drafter, smol), chat_ids[:4], 8)
-    for ids, out, ours in zip(chat_ids, states, ours_greedy):
+    for _ids, out, ours in zip(chat_ids, states, ours_greedy, strict=False):
         assert out.output_ids == ours
     states = run(smol, DFlashTreeProposer(drafter, smol, top_k=4), chat_ids[:4], 9)
-    for ids, out, ours in zip(chat_ids, states, ours_greedy):
+    for _ids, out, ours in zip(chat_ids, states, ours_greedy, strict=False):
         assert out.output_ids == ours

@@ -30,7 +30,8 @@ def test_a_results_file_becomes_the_table_between_the_pages_markers_and_its_plot
                          plot=lambda a, out: training_ab_table.plot_epochs(a.results, out),
                          results=(None, "results")) == 0
     text = page.read_text()
-    assert text.startswith("before\n<!-- training-ab -->\n**epochs**") and text.endswith("<!-- training-ab -->\nafter\n")
+    assert (text.startswith("before\n<!-- training-ab -->\n**epochs**")
+            and text.endswith("<!-- training-ab -->\nafter\n"))
     assert "old table" not in text and "recipe/base" not in text
     assert ("| epochs/dflash/1 | dflash, 1 epoch(s) of 2000 samples | 500 | 1.2 | 1.400 | 1.700 | 0.600 | 0.400 | "
             "0.131 | Test CPU, 2 |") in text

@@ -66,7 +66,7 @@ def test_the_exported_drafter_is_lossless_and_keeps_its_acceptance(plain, export
     engine.drafter = DFlashDrafter.load(exported, dtype=engine.target.dtype)  # the engine's dtype (auto)
     assert getattr(engine.drafter, "draft_vocab", None) is None  # the full vocabulary
     ours = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=48)
-    for a, o, x in zip(ar, original, ours):
+    for a, o, x in zip(ar, original, ours, strict=False):
         assert x.token_ids == a.token_ids == o.token_ids
     tau = [sum(sum(g.acceptance_lengths) for g in gens) / sum(len(g.acceptance_lengths) for g in gens)
            for gens in (original, ours)]
@@ -97,7 +97,8 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
     drafter_with_markov_rank(shipped_drafter("dflash"), 32, tmp_path / "markov", seed=4, scale=1.0)
     drafter = DFlashDrafter.load(tmp_path / "markov")
     cfg = drafter.config
-    assert main(["export", "drafter", str(tmp_path / "markov"), "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert main(["export", "drafter", str(tmp_path / "markov"), "--out", str(tmp_path / "out"),
+                 "--dtype", "float32"]) == 0
     assert "DSpark's layout (Qwen3DSparkModel, a Markov head), float32" in capsys.readouterr().err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"]
@@ -109,7 +110,8 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
         w1, w2 = f.get_tensor("markov_head.markov_w1.weight"), f.get_tensor("markov_head.markov_w2.weight")
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= names and "draft_vocab" not in names
     assert torch.equal(w1, drafter.markov_head.markov_w1.weight)
-    assert w2.shape == (cfg.vocab_size, 32) and torch.equal(w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight)
+    assert (w2.shape == (cfg.vocab_size, 32)
+            and torch.equal(w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight))
     assert int((w2 != 0).any(-1).sum()) == drafter.draft_vocab.numel()
 
 

@@ -40,7 +40,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def ar_json(engine):
-    return engine.generate(PROMPTS, chat=True, method="ar", max_new_tokens=40, grammar=GrammarSpec("json_schema", SCHEMA))
+    return engine.generate(PROMPTS, chat=True, method="ar", max_new_tokens=40,
+                           grammar=GrammarSpec("json_schema", SCHEMA))
 
 
 def check_schema(text: str):

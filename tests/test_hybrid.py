@@ -93,7 +93,7 @@ def drafter(hybrid):
 
 def run(target, proposer, prompts, block_size, max_new=None, batch_size=None):
     states = []
-    reqs = [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new or [N_NEW] * len(prompts))]
+    reqs = [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new or [N_NEW] * len(prompts), strict=False)]
     steps = list(generate_steps(target, proposer, reqs, block_size, states, batch_size=batch_size))
     return states, steps
 
@@ -182,7 +182,7 @@ def test_bfloat16_weights_are_as_close_to_float32_as_hf_bfloat16(hybrid, tmp_pat
 
 def test_greedy_ar_equals_hf_generate_for_a_batch_of_different_lengths(hybrid, prompts, hf_greedy):
     states, _ = run(hybrid[1], Proposer(), prompts, 1)
-    for p, out, ref in zip(prompts, states, hf_greedy):
+    for p, out, ref in zip(prompts, states, hf_greedy, strict=False):
         assert out.output_ids == ref, f"prompt of {len(p)} tokens"
         assert set(out.acceptance_lengths) == {1}
 
@@ -193,7 +193,7 @@ def test_dflash_rigged_drafts_accept_as_expected_and_stay_exact(hybrid, prompts,
     proposer = RiggedProposer(drafter, target, hf_greedy, [len(p) for p in prompts], right, vocab=VOCAB)
     states, _ = run(target, proposer, prompts, block)
     accepted = block if right is None else right + 1
-    for p, out, ref in zip(prompts, states, hf_greedy):
+    for p, out, ref in zip(prompts, states, hf_greedy, strict=False):
         assert out.output_ids == ref, f"prompt of {len(p)} tokens"
         # the prefill gives the first token, then every step accepts `accepted` tokens (the last
         # step may be cut by the length limit)
@@ -211,7 +211,7 @@ def test_prompt_lookup_stays_exact_and_accepts_drafts(hybrid, prompts, hf_greedy
         refs = [hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p):].tolist()
                 for p in lookup_prompts]
     states, _ = run(target, LookupProposer(), lookup_prompts, 4)
-    for out, ref in zip(states, refs):
+    for out, ref in zip(states, refs, strict=False):
         assert out.output_ids == ref
     lengths = {a for s in states for a in s.acceptance_lengths}
     assert 1 in lengths and max(lengths) > 1
@@ -225,7 +225,7 @@ def test_continuous_batching_reuses_slots_and_stays_exact(hybrid, prompts, hf_gr
     for proposer, block in ((Proposer(), 1), (LookupProposer(), 4), (DFlashProposer(drafter, target), 6)):
         states, steps = run(target, proposer, reqs, block, max_new=max_new, batch_size=2)
         assert max(step.batch for step in steps) == 2
-        for out, ref, m in zip(states, refs, max_new):
+        for out, ref, m in zip(states, refs, max_new, strict=False):
             assert out.output_ids == ref[:m], proposer.name
 
 
@@ -234,8 +234,8 @@ def test_rows_sorted_by_length_move_their_states_along(hybrid, prompts, hf_greed
     target = hybrid[1]
     loop = DecodeLoop(target, LookupProposer(), 4, 3, 128, sort_every=2, group_rows=2)
     max_new = [20, 6, 14, 9]
-    states = run_sorting(loop, [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new)])
-    for out, ref, m in zip(states, hf_greedy, max_new):
+    states = run_sorting(loop, [Request(p, max_new_tokens=m) for p, m in zip(prompts, max_new, strict=False)])
+    for out, ref, m in zip(states, hf_greedy, max_new, strict=False):
         assert out.output_ids == ref[:m]
 
 

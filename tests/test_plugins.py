@@ -26,7 +26,8 @@ class RepeatProposer(Proposer):
 
 @pytest.fixture
 def repeat_method():
-    method = methods.register(methods.Method("repeat", "drafts the last token again", lambda engine, spec: RepeatProposer()))
+    method = methods.register(methods.Method("repeat", "drafts the last token again",
+                                             lambda engine, spec: RepeatProposer()))
     methods.register(methods.Method("repeat-adaptive", "the same, sized by measured speed",
                                     lambda engine, spec: RepeatProposer(), adaptive=True))
     yield method

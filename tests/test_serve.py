@@ -200,12 +200,12 @@ def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server,
     assert len(content) == len(ids) == chat["usage"]["completion_tokens"] > 4
     oracle = hf_log_softmax(hf_smol, chat["prompt_token_ids"], ids)
     assert b"".join(bytes(e["bytes"]) for e in content).decode() == tokenizer.decode(ids)
-    for i, (tok, e) in enumerate(zip(ids, content)):
+    for i, (tok, e) in enumerate(zip(ids, content, strict=False)):
         assert abs(e["logprob"] - oracle[i, tok].item()) < 1e-4, (i, e, oracle[i, tok])
         values, top = oracle[i].topk(3)
         assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
         assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the chosen token is the most likely
-        for t, want in zip(e["top_logprobs"], top.tolist()):
+        for t, want in zip(e["top_logprobs"], top.tolist(), strict=False):
             assert text_of(want) is None or t["token"] == text_of(want), (i, t, want)
 
     prompt = "The three primary colours are"
@@ -251,7 +251,7 @@ def test_decode_loop_logprobs_on_tree_paths_and_rows_that_did_not_ask(hf_smol):
     assert state.output_ids == plain[0].output_ids and max(state.acceptance_lengths) > 2
     oracle = hf_log_softmax(hf_smol, prompts[0], state.output_ids)
     assert len(state.logprobs) == len(state.output_ids)
-    for i, (tok, (logprob, top)) in enumerate(zip(state.output_ids, state.logprobs)):
+    for i, (tok, (logprob, top)) in enumerate(zip(state.output_ids, state.logprobs, strict=False)):
         values, ids = oracle[i].topk(2)
         assert abs(logprob - oracle[i, tok].item()) < 1e-4 and [t for t, _ in top] == ids.tolist(), i
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
@@ -276,7 +276,7 @@ def test_streamed_logprobs_add_up_to_the_answers_logprobs(shipped_server):
     assert text == whole.choices[0].message.content and carrying > 1
     want = whole.choices[0].logprobs.content
     assert [e.token for e in streamed] == [e.token for e in want] and len(want) == whole.usage.completion_tokens
-    for a, b in zip(streamed, want):
+    for a, b in zip(streamed, want, strict=False):
         assert a.bytes == b.bytes and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
 
@@ -717,7 +717,7 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
     # (a loaded 2-core machine can be slow)
     handles = serve_in_process(sched, [engine.make_row(ids, n) for ids in prompts], timeout=600, stagger=0.05)
     assert all(h.done for h in handles), "requests still running after 10 minutes"
-    for h, truth in zip(handles, truths):
+    for h, truth in zip(handles, truths, strict=False):
         assert h.state.output_ids == truth
         steps = h.state.accepted_per_step  # (accepted, drafted): whole blocks, but where the answer ended
         assert all(a == n for a, n in steps[:-1]) and len(steps) < len(truth) / 2, steps
@@ -864,7 +864,7 @@ def test_a_row_whose_sampling_fails_is_stopped_alone_and_the_batch_goes_on(smol,
         time.sleep(0.05)
     sched.shutdown(grace=5)
     assert bad.done and bad.error and "failed" in bad.error and bad.error_status == 400
-    for h, truth in zip(good, truths):
+    for h, truth in zip(good, truths, strict=False):
         assert h.error is None and h.state.output_ids == truth
 
 
@@ -905,7 +905,8 @@ def test_the_metrics_position_rate_is_the_benchmarks_conditional_one():
     metrics.observe_step(2, 4, [(0, 3), (3, 3)])  # one row rejects the first draft, one accepts all three
     metrics.observe_step(1, 4, [(1, 3)])
     text = metrics.render().decode()
-    rates = {int(k): float(v) for k, v in re.findall(r'spec_position_acceptance_rate\{position="(\d)"\} ([0-9.]+)', text)}
+    rates = {int(k): float(v)
+             for k, v in re.findall(r'spec_position_acceptance_rate\{position="(\d)"\} ([0-9.]+)', text)}
     assert rates == {1: 2 / 3, 2: 1 / 2, 3: 1.0}  # position 2 reached twice (accepted once), 3 once
     drafted = re.findall(r'spec_drafted_tokens_total\{position="(\d)"\} ([0-9.]+)', text)
     assert {int(k): float(v) for k, v in drafted} == {1: 3.0, 2: 3.0, 3: 3.0}  # the raw counters stay counts

@@ -44,7 +44,7 @@ def tiny_corpus(tmp_path_factory):
     list(generate_steps(target, Proposer(), [Request(p, 40) for p in prompts], 1, states))
     (root / "data").mkdir()
     with open(root / "data" / "shard-00000.jsonl", "w") as f:
-        for i, (p, s) in enumerate(zip(prompts, states)):
+        for i, (p, s) in enumerate(zip(prompts, states, strict=False)):
             f.write(json.dumps({"id": f"t/{i}", "split": "train", "prompt": "", "prompt_ids": p,
                                 "answer_ids": s.output_ids, "finish_reason": s.finish_reason}) + "\n")
     return root, target, prompts, [s.output_ids for s in states]
@@ -52,7 +52,8 @@ def tiny_corpus(tmp_path_factory):
 
 def tiny_config(root, out, **kw):
     base = dict(data=str(root / "data"), out=str(out), target=str(root / "target"), block_size=4, num_layers=2,
-                mask_token_id=MASK, num_anchors=12, target_layer_ids=[3], batch_size=4, max_seq_len=64, max_steps=20, lr=3e-3,
+                mask_token_id=MASK, num_anchors=12, target_layer_ids=[3], batch_size=4,
+                max_seq_len=64, max_steps=20, lr=3e-3,
                 warmup_frac=0.05, eval_every=10_000, eval_prompts=4, eval_max_new_tokens=24, save_every=5,
                 log_every=1)
     base.update(kw)
@@ -126,7 +127,7 @@ def check_label_consistency(trainer, corpus_prompts, corpus_answers):
     """Drafting a block's training labels in the real decode loop gets it fully accepted."""
     cfg = trainer.cfg
     first = 1 - trainer.shift  # the first block slot with a label
-    for p, ans in list(zip(corpus_prompts, corpus_answers))[:4]:
+    for p, ans in list(zip(corpus_prompts, corpus_answers, strict=False))[:4]:
         seq = p + ans
         batch = build_blocks([seq], [len(p)], block_size=cfg.block_size, num_anchors=len(seq),
                              mask_token_id=MASK, gamma=None, generator=torch.Generator().manual_seed(0),
@@ -135,7 +136,7 @@ def check_label_consistency(trainer, corpus_prompts, corpus_answers):
                   for j in range(0, batch.block_tokens.shape[1], cfg.block_size)}
 
         def label_of(a, n):
-            got = labels.get(a, [IGNORE] * n)
+            got = labels.get(a, [IGNORE] * n)  # noqa: B023 (called within this iteration, by generate_steps below)
             return [t if t != IGNORE else 0 for t in got]
 
         states = []
@@ -266,7 +267,8 @@ def train_cli(root, out, *extra, nproc=1):
             "--max-steps", "12", "--save-every", "3", "--log-every", "1", "--eval-every", "1000",
             "--eval-prompts", "2", "--eval-max-new-tokens", "8", *extra]
     runner = [sys.executable, "-m", "blockdraft"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",  # a free port: two suites may run at once
+        # --standalone: a free port: two suites may run at once
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
         "-m", "blockdraft"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([*runner, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -294,7 +296,8 @@ def test_a_killed_or_stopped_run_resumes_to_the_same_weights_as_an_uninterrupted
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline:  # let it pass a checkpoint or two, then stop it mid-run
-        if metrics.is_file() and any(json.loads(l)["step"] >= 7 for l in metrics.read_text().splitlines() if l):
+        if metrics.is_file() and any(json.loads(line)["step"] >= 7
+                                     for line in metrics.read_text().splitlines() if line):
             break
         time.sleep(0.05)
     killed.send_signal(sig)
@@ -302,7 +305,7 @@ def test_a_killed_or_stopped_run_resumes_to_the_same_weights_as_an_uninterrupted
     state = json.loads((tmp_path / "killed" / "checkpoint" / "state.json").read_text())
     if graceful:
         assert killed.returncode == 128 + sig, err
-        logged = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+        logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
         assert 7 <= state["step"] == logged[-1] < 60  # the step it was in, saved although none was due
         assert f"stopped at step {state['step']} of 60" in err
     else:
@@ -312,7 +315,7 @@ def test_a_killed_or_stopped_run_resumes_to_the_same_weights_as_an_uninterrupted
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     a, b = drafter_weights(tmp_path / "straight" / "drafter"), drafter_weights(tmp_path / "killed" / "drafter")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    logged = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert logged == list(range(1, 61))  # no step lost or logged twice
 
 
@@ -322,7 +325,7 @@ def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
     assert "2 process(es)" in err and "2 processes in sync" in err
-    records = [json.loads(l) for l in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert records[-1]["loss"] < records[0]["loss"]
     assert "tau" in records[-1]
@@ -360,7 +363,8 @@ def test_a_stop_signal_to_one_ddp_process_stops_both_at_the_next_checkpoint(tiny
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline:
-        if metrics.is_file() and any(json.loads(l)["step"] >= 7 for l in metrics.read_text().splitlines() if l):
+        if metrics.is_file() and any(json.loads(line)["step"] >= 7
+                                     for line in metrics.read_text().splitlines() if line):
             break
         time.sleep(0.05)
     pid = worker_pid(stopped.pid, 1)
@@ -370,7 +374,7 @@ def test_a_stop_signal_to_one_ddp_process_stops_both_at_the_next_checkpoint(tiny
     assert stopped.returncode != 0  # torchrun reports its workers' exit code 143 as a failure
     state = json.loads((tmp_path / "stopped" / "checkpoint" / "state.json").read_text())
     assert 10 <= state["step"] < 200 and state["step"] % 5 == 0, out + err
-    logged = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert logged[-1] == state["step"], out + err  # both stopped there: rank 0 logs and saved nothing after
     assert f"stopped at step {state['step']} of 200" in err
     resumed = train_cli(root, tmp_path / "stopped", *steps, "--resume", nproc=2)
@@ -525,7 +529,7 @@ def test_mixed_precision_training_bf16_target_fp32_drafter(tiny_corpus, tmp_path
     assert all(p.dtype == torch.float32 for p in mixed.drafter.parameters())
     assert first["loss"] == pytest.approx(first_ref["loss"], rel=0.03)
     mixed.run()
-    records = [json.loads(l) for l in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < 0.7 * first["loss"]
     assert records[-1]["tau"] >= 1.0
     ref.drafter.load_state_dict(mixed.drafter.state_dict())
@@ -676,7 +680,7 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
         loss, correct, _ = loss_mod.weighted_loss(hidden, head, y, w, k, b, 1024, teacher=teacher, distill=0.5)
         loss.backward()
         results.append((loss.detach(), hidden.grad, correct))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=False))
 
 
 def test_epochs_fix_the_steps_and_the_samples_when_the_run_starts(tiny_corpus, tmp_path):
@@ -823,7 +827,7 @@ def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpu
     list(generate_steps(target, recorder, [Request(p, 40) for p in prompts[:8]], 1, states, batch_size=3))
     assert [s.output_ids for s in states] == answers[:8]  # it only watches
     cache = FeatureCache(tmp_path / "cache", target, layers, writer="regen")
-    for i, (p, a) in enumerate(zip(prompts[:8], answers[:8])):
+    for i, (p, a) in enumerate(zip(prompts[:8], answers[:8], strict=False)):
         seq = p + a
         rows, (ids, logp) = recorder.pop(i, len(seq) - 1, start=len(p) - 1)
         with torch.no_grad():
@@ -965,7 +969,9 @@ def test_a_card_reads_the_committed_metrics_of_a_run_resumed_on_a_new_machine(tm
     monkeypatch.setattr(ship_drafter, "TRAIN_LOGS", logs)
     with pytest.raises(SystemExit, match="no metrics for"):
         ship_drafter.run_metrics(run)
-    rec = lambda step, tau=None: json.dumps({"step": step, "elapsed": step, **({"tau": tau} if tau else {})})
+    def rec(step, tau=None):
+        return json.dumps({"step": step, "elapsed": step, **({"tau": tau} if tau else {})})
+
     (logs / "mine.metrics.jsonl").write_text("\n".join([rec(10, 1.5), rec(20), rec(30, 1.7)]) + "\n")
     (run / "metrics.jsonl").write_text("\n".join([rec(30, 1.8), rec(40, 1.9)]) + "\n\n")
     got = ship_drafter.run_metrics(run)
@@ -1002,7 +1008,7 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
     ship_drafter.ship(args, tmp_path / "run", arch)
     cls = DFlashDrafter if arch == "dflash" else EagleDrafter
     trained, shipped = cls.load(tmp_path / "run" / "drafter"), cls.load(dest)
-    for (name, a), b in zip(trained.state_dict().items(), shipped.state_dict().values()):
+    for (name, a), b in zip(trained.state_dict().items(), shipped.state_dict().values(), strict=False):
         assert torch.equal(a.half().float(), b.float()), name
     card = (dest / "README.md").read_text()
     assert "8 steps x 4 sequences" in card and "16 training samples" in card
@@ -1052,8 +1058,8 @@ def test_a_committed_position_continues_the_run_on_another_machine(tiny_corpus, 
     assert all(torch.equal(a[k], b[k]) for k in a)  # with the optimizer state: bit for bit
 
     assert main(["train", "--resume-from", str(position), "--out", str(tmp_path / "moved")]) == 0
-    ref = [json.loads(l) for l in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    got = [json.loads(l) for l in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in got] == list(range(7, 13))
     assert [r["lr"] for r in got] == [r["lr"] for r in ref[6:]]
     c = drafter_weights(tmp_path / "moved" / "drafter")
@@ -1107,7 +1113,8 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
     back = dequantize(q, scales)
     assert q.dtype == torch.int8 and q.shape == x.shape and scales.shape == (5, 3)
     assert bool(((back - x).abs() <= scales.repeat_interleave(64, -1) / 2 * (1 + 1e-6)).all())
-    assert float((back[2, :64] - x[2, :64]).abs().max()) < 0.02 and float((back[2, 64:128] - x[2, 64:128]).abs().max()) > 1
+    assert (float((back[2, :64] - x[2, :64]).abs().max()) < 0.02
+            and float((back[2, 64:128] - x[2, 64:128]).abs().max()) > 1)
     runs = []
     for name in ("fill", "read"):
         trainer = Trainer(tiny_config(root, tmp_path / name, max_steps=4, feature_cache=str(tmp_path / "cache"),
@@ -1130,7 +1137,8 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
     mixed.put([sequence_key([7, 8, 9])], torch.randn(1, 3, 64), [3])
     new, missing = mixed.get([sequence_key([7, 8, 9]), sequence_key(seq)], len(seq), "cpu")
     assert missing == [] and torch.equal(new[1], old[0])  # the float16 record, read as before
-    assert mixed.dtype == "int8" and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16"
+    assert (mixed.dtype == "int8"
+            and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16")
     mixed.close()
 
 

@@ -225,7 +225,8 @@ def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_d
     prompts, truths = greedy4
     proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], rank, probs)
     states = run(smol, proposer, prompts, nodes + 1)
-    for k, (p, out, truth, ref) in enumerate(zip(prompts, states, truths, [hf_greedy[i] for i in GREEDY4])):
+    for k, (p, out, truth, ref) in enumerate(zip(prompts, states, truths, [hf_greedy[i] for i in GREEDY4],
+                                                 strict=False)):
         assert out.output_ids == truth, f"row {k}"
         assert_same_or_tie(hf_smol, p, out.output_ids, ref, f"tree {rank} row {k}")
         steps = out.acceptance_lengths[:-1]  # the last step is cut by the answer's end
@@ -244,7 +245,7 @@ def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol,
     prompts, truths = greedy4
     proposer = DFlashTreeProposer(random_drafter, smol, top_k=4)
     states = run(smol, proposer, prompts, 33)
-    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+    for k, (p, out, truth) in enumerate(zip(prompts, states, truths, strict=False)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"random tree row {k}")
     # accepted paths that leave the first branch (the right token always second)
     proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], 1, (0.6, 0.3, 0.1))
@@ -255,7 +256,7 @@ def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol,
     # step's features, which the next proposal would have written)
     with torch.inference_mode():
         proposer.propose(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), 0)
-    for row, (p, out) in enumerate(zip(prompts, states)):
+    for row, (p, out) in enumerate(zip(prompts, states, strict=False)):
         seq = torch.tensor([p + out.output_ids[:-1]])  # the last emitted token is never verified
         with torch.inference_mode():
             _, feats = smol(seq, torch.arange(seq.shape[1])[None], capture=proposer.capture_layers)
@@ -309,7 +310,7 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4, m
     monkeypatch.setattr(StepCosts, "record_draft", lambda self, b, d, s: record_draft(self, b, d, 10.0))
     steps = []
     states = run(smol, DFlashProposer(random_drafter, smol), prompts, 16, adaptive=True, steps=steps)
-    for k, (p, out, truth) in enumerate(zip(prompts, states, truths)):
+    for k, (p, out, truth) in enumerate(zip(prompts, states, truths, strict=False)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
     # a random drafter's confidence is low: the cut verifies short chains, and (rigged) its drafts
     # do not pay for the drafter pass, so the gate skips the pass on many steps

@@ -565,7 +565,8 @@ def main():
     p = sub.add_parser("unpack")
     p.add_argument("files", nargs="+", help="folders of parts, in the order the calls returned them")
     args = ap.parse_args()
-    {"main": cmd_main, "smoke": cmd_smoke, "prepare": cmd_prepare, "more": cmd_more, "train": cmd_train, "fetch-rest": cmd_fetch_rest, "unpack": cmd_unpack}[args.cmd](args)
+    {"main": cmd_main, "smoke": cmd_smoke, "prepare": cmd_prepare, "more": cmd_more, "train": cmd_train,
+     "fetch-rest": cmd_fetch_rest, "unpack": cmd_unpack}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -100,9 +100,9 @@ def ancestry(init_from: str | None, state: dict | None = None) -> str:
     card = Path(init_from) / "README.md"
     lines = card.read_text().splitlines() if card.is_file() else []
     if state is not None and card_mark(state) in lines:
-        return "".join(l + "\n" for l in lines if l.startswith("| warm start |"))
-    rows = [l for l in lines if l.startswith(ANCESTRY_ROWS)]
-    cells = "; ".join(l.strip("| ").replace(" | ", ": ", 1).replace(" |", "") for l in rows)
+        return "".join(line + "\n" for line in lines if line.startswith("| warm start |"))
+    rows = [line for line in lines if line.startswith(ANCESTRY_ROWS)]
+    cells = "; ".join(row.strip("| ").replace(" | ", ": ", 1).replace(" |", "") for row in rows)
     return f"| warm start | from `{init_from}`" + (f", itself trained so: {cells}" if cells else "") + " |\n"
 
 
@@ -125,8 +125,8 @@ def measured_taus(args, run: Path, dest: Path, method: str) -> tuple[dict, dict,
             out = run / f"bench-{dataset}"
             subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
                             "--methods", method, "--max-samples", str(args.samples),
-                            "--max-new-tokens", str(args.max_new_tokens), "--draft" if method == "dflash" else "--eagle",
-                            str(dest), "--out", str(out)], check=True)
+                            "--max-new-tokens", str(args.max_new_tokens),
+                            "--draft" if method == "dflash" else "--eagle", str(dest), "--out", str(out)], check=True)
             report = json.loads((out / "results.json").read_text())
         taus[dataset] = {name: m["tau"] for name, m in report["methods"].items() if name.split("@")[0] == method}
         samples[dataset] = report["num_prompts"]
@@ -142,7 +142,7 @@ def run_metrics(run: Path) -> list[dict]:
     by_step = {}
     for path in (TRAIN_LOGS / f"{run.name}.metrics.jsonl", run / "metrics.jsonl"):
         if path.is_file():
-            by_step.update((m["step"], m) for m in (json.loads(l) for l in path.read_text().splitlines() if l))
+            by_step.update((m["step"], m) for m in (json.loads(line) for line in path.read_text().splitlines() if line))
     if not by_step:
         raise SystemExit(f"no metrics for {run}: neither {run / 'metrics.jsonl'} "
                          f"nor {TRAIN_LOGS / run.name}.metrics.jsonl")
@@ -175,7 +175,8 @@ def ship(args, run: Path, arch: str):
           for d in taus],
     ])
     sources, train, valid, sampled, skipped = data_summary(cfg)
-    folders_note = f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on" if skipped else ""
+    folders_note = (f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on"
+                    if skipped else "")
     answers = ("greedily" if not sampled else
                f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)")
     folders = ", ".join(f"`{f}`" for f in cfg["data"].split(","))
@@ -210,29 +211,38 @@ def ship(args, run: Path, arch: str):
         fmt = "blockdraft's own format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
     flag = f" --markov-rank {cfg['markov_rank']}" if cfg.get("markov_rank") else ""
     title = "DSpark-style drafter (DFlash with a Markov head)" if cfg.get("markov_rank") else kind["title"]
-    card = f"""# {title} for SmolLM2-135M-Instruct
+    card = (f"""# {title} for SmolLM2-135M-Instruct
 
-Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}{flag}` (the open recipe in this repository) on
+Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}{flag}` \
+(the open recipe in this repository) on
 this project's CPU machine; {kind['use']}. {fmt}
 
 | | |
 |---|---|
 | drafter | {shape}, draft vocabulary {vocab}, initialised from {init} |
-| data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts excluded{folders_note}): {train:,} training samples ({valid:,} held out); sources {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
-| training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; {state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, {cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
-| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} ({threads}{precision}, torch {torch.__version__}) |
+| data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts \
+excluded{folders_note}): {train:,} training samples ({valid:,} held out); sources \
+{", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
+| training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; \
+{state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, \
+{cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, \
+warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
+| training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} \
+({threads}{precision}, torch {torch.__version__}) |
 {parent}
 ## Measured acceptance length τ (greedy, up to {max_new} new tokens)
 
 {tau_table}
 
-Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples {next(iter(samples.values()))} --max-new-tokens {max_new}`.
+Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples \
+{next(iter(samples.values()))} --max-new-tokens {max_new}`.
 
 ## τ on held-out prompts during training (real decode loop, {cfg['eval_max_new_tokens']} new tokens)
 
 | step | tokens seen | τ |
 |---|---|---|
-""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve) + scaling_table(args.scaling, arch) + f"\n{card_mark(state)}\n"
+""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve)
+            + scaling_table(args.scaling, arch) + f"\n{card_mark(state)}\n")
     (kind["dest"] / "README.md").write_text(card)
     print(card)
 

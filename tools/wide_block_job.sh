@@ -3,8 +3,8 @@
 # recipe, then the block-16 DSpark drafter itself. Every stage is resumable: a stage whose metrics log
 # (data/train-logs/NAME.metrics.jsonl) shows its last step is skipped, a stage with a run folder
 # (runs/NAME/checkpoint) continues from it, on a new machine from its committed position
-# (data/train-logs/positions/NAME: commit the live arm's at the end of a session with its log,
-# `tools/wide_block_job.sh keep NAME`; delete finished arms'); call the script again after a stop
+# (data/train-logs/positions/NAME: `tools/wide_block_job.sh keep NAME` copies the live arm's there with
+# its log at the end of a session, to commit once; delete finished arms'); call the script again after a stop
 # or on a new session.
 #
 #   tools/wide_block_job.sh            # run every stage not yet done, in order
@@ -40,18 +40,27 @@ done_at() {  # the last step a run's committed metrics log records (0: none)
 }
 
 run_arm() {  # NAME STEPS ARGS...: train (or resume) one arm, then keep its metrics log
+    # The run writes its positions under runs/NAME/position (ignored by git); `keep NAME` copies the
+    # last one into data/train-logs/positions/NAME once, at the end of a session (one position per
+    # live run in a submission: a position committed at every save would multiply 50 MB by the saves).
     local name=$1 steps=$2; shift 2
-    local pos=data/train-logs/positions/$name
+    local pos=runs/$name/position committed=data/train-logs/positions/$name
     if [[ $(done_at "$name") -ge $steps ]]; then echo "wide-block job: $name done"; return; fi
     if [[ -f runs/$name/checkpoint/state.json ]]; then  # this machine's checkpoint, optimizer included
         $bd train --out "runs/$name" --resume --position-dir "$pos" "$@"
-    elif [[ -f $pos/state.json ]]; then  # a committed position, from another machine
-        $bd train --resume-from "$pos" --out "runs/$name" --position-dir "$pos" \
+    elif [[ -f $committed/state.json ]]; then  # a committed position, from another machine
+        $bd train --resume-from "$committed" --out "runs/$name" --position-dir "$pos" \
             --feature-cache runs/feature-cache --feature-dtype int8
     else
         $bd train --out "runs/$name" --position-dir "$pos" "$@"
     fi
     keep_log "$name"
+}
+
+keep_position() {  # NAME: the run's last position into the tree (weights + schedule), replacing the old one
+    local src=runs/$1/position dst=data/train-logs/positions/$1
+    [[ -f $src/state.json ]] || { echo "wide-block job: no position in $src" >&2; exit 2; }
+    rm -rf "$dst.tmp" && cp -r "$src" "$dst.tmp" && rm -rf "$dst" && mv "$dst.tmp" "$dst"
 }
 
 keep_log() {  # NAME: the run's metrics into data/train-logs, after the committed records of earlier steps
@@ -85,7 +94,7 @@ print("dpace" if tau("dpace") > tau("decay") else "decay")
 PY
 }
 
-if [[ ${1:-} == keep ]]; then keep_log "$2"; exit; fi
+if [[ ${1:-} == keep ]]; then keep_log "$2"; keep_position "$2"; exit; fi
 
 for stage in $stages; do
     case $stage in

@@ -14,7 +14,8 @@ at the same end-of-turn tokens; its time covers the whole request, prefill inclu
 llama.cpp reads GGUF files. For the default target in fp32 the peers run the F32
 de-quantization of its GGUF (exactly the fp32 weights blockdraft runs; written once, or by
 `blockdraft export gguf`), and with `--dtype q4_1` the original Q4_1 file (the integers our
-quantized path runs). `--gguf FILE` names another file (a GGUF of another target). llama-cpp-python is an optional extra, compiled from source:
+quantized path runs). `--gguf FILE` names another file (a GGUF of another target).
+llama-cpp-python is an optional extra, compiled from source:
 `pip install '.[peers]'`.
 """
 

@@ -51,7 +51,7 @@ def repetition_stats(outputs: list[tuple[list[int], list[int]]], n: int = REPEAT
     tokens = sum(len(mask) for mask in masks)
     repeated = sum(sum(mask) for mask in masks)
     steps = sum(len(lengths) for _, lengths in outputs)
-    fresh = [a for mask, (_, lengths) in zip(masks, outputs) for a in _steps_outside(mask, lengths)]
+    fresh = [a for mask, (_, lengths) in zip(masks, outputs, strict=False) for a in _steps_outside(mask, lengths)]
     return {"ngram": n, "repeated_share": repeated / tokens if tokens else 0.0,
             "tau_outside_repeats": sum(fresh) / len(fresh) if fresh else None,
             "steps_outside_repeats_share": len(fresh) / steps if steps else None}
@@ -70,7 +70,8 @@ def table(results_dir: str, n: int = REPEAT_NGRAM) -> str:
         rep = json.loads(path.read_text())
         for name, r in rep["methods"].items():
             outputs = [(ids, lengths) for q in r["prompts"]
-                       for ids, lengths in zip(q["token_ids"], q.get("acceptance_lengths") or [[]] * len(q["token_ids"]))]
+                       for ids, lengths in zip(q["token_ids"],
+                                               q.get("acceptance_lengths") or [[]] * len(q["token_ids"]), strict=False)]
             x = repetition_stats(outputs, n)
             tau = "-" if r.get("tau") is None else f"{r['tau']:.2f}"
             outside = "-" if x["tau_outside_repeats"] is None else f"{x['tau_outside_repeats']:.2f}"

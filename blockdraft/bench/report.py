@@ -16,9 +16,10 @@ def markdown(reports: dict) -> str:
         lines += [f"### {name}: {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, "
                   f"T={rep['temperature']}, {rep['repeats']} repeat(s)", "",
                   f"Machine: {m0['processor']}, {m0['threads']} threads, {m0['device']}, weights "
-                  f"{m0.get('weights', m0['dtype'])}, drafters {m0.get('draft_weights', 'float')}, torch {m0['torch']}" + (f", GGUF for llamacpp: {rep['gguf']}"
-                                                                           if rep.get("gguf") else "") + ".", "",
-                  "| method | block | tau | tok/s | speedup vs ar (min-max over repeats) | bound tau*t_step/(t_draft+t_verify)"
+                  f"{m0.get('weights', m0['dtype'])}, drafters {m0.get('draft_weights', 'float')}, torch {m0['torch']}"
+                  + (f", GGUF for llamacpp: {rep['gguf']}" if rep.get("gguf") else "") + ".", "",
+                  "| method | block | tau | tok/s | speedup vs ar (min-max over repeats) | "
+                  "bound tau*t_step/(t_draft+t_verify)"
                   " | draft ms/step | verify ms/step | prefill / draft / verify / other (s) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for method, r in rep["methods"].items():
@@ -116,7 +117,7 @@ def plots(reports: dict, out: Path) -> list[str]:
             pts = sorted((r["block_size"], r["speedup_vs_ar"]) for m, r in rep["methods"].items()
                          if m.split("@")[0] == kind and r.get("speedup_vs_ar"))
             if len(pts) > 1:
-                ax.plot(*zip(*pts), marker="o", label=f"{kind}, {name}")
+                ax.plot(*zip(*pts, strict=False), marker="o", label=f"{kind}, {name}")
                 drawn = True
     if drawn:
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -158,15 +159,15 @@ def tree_budget_plot(reports: dict, out: Path, plt) -> list[str]:
     if not any(len(pts) > 1 for pts in series.values()):
         return []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, pts), color in zip(series.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    for (name, pts), color in zip(series.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):
         if len(pts) < 2:
             continue
         budgets = [p[0] for p in pts]
-        for ax, i in zip(axes, (1, 2)):
+        for ax, i in zip(axes, (1, 2), strict=False):
             ax.plot(budgets, [p[i] or 0 for p in pts], marker="o", color=color, label=f"tree, {name}")
             chains = [(m, r) for m, r in reports[name]["methods"].items()
                       if m.split("@")[0] in ("dflash", "dflash-cut")]
-            for (m, r), style in zip(chains, ("--", ":", "-.", (0, (1, 4)))):
+            for (m, r), style in zip(chains, ("--", ":", "-.", (0, (1, 4))), strict=False):
                 value = r["tau"] if i == 1 else r.get("speedup_vs_ar")
                 if value:
                     ax.axhline(value, color=color, ls=style, lw=1, label=f"{m}, {name}")

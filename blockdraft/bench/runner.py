@@ -162,10 +162,11 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
         p = per[m.name]
         lengths = p["acceptance_lengths"]
         hist, rates = acceptance_stats(lengths, m.block)
-        tps = [statistics.median(x) for q in p["prompts"].values() for x in zip(*q["tokens_per_second"])]
+        tps = [statistics.median(x) for q in p["prompts"].values() for x in zip(*q["tokens_per_second"], strict=False)]
         steps = max(1, p["steps"])
         results[m.name] = {
-            "tau": sum(lengths) / len(lengths) if lengths else (1.0 if not registry.METHODS[m.kind].speculative else None),
+            "tau": (sum(lengths) / len(lengths) if lengths
+                    else (1.0 if not registry.METHODS[m.kind].speculative else None)),
             "acceptance_histogram": hist,
             "per_position_acceptance": rates,
             "tokens_per_second": p["tokens"] / p["seconds"] if p["seconds"] else 0.0,
@@ -186,7 +187,7 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             "decode_seconds_per_step": (p["seconds"] - p["prefill_seconds"]) / (p["steps"] or max(1, p["tokens"]))
             if m.peer else None,
             "repetition": repetition_stats([pair for q in p["prompts"].values()
-                                            for pair in zip(q["token_ids"], q["acceptance_lengths"])]),
+                                            for pair in zip(q["token_ids"], q["acceptance_lengths"], strict=False)]),
             "prompts": list(p["prompts"].values()),
         }
     if "ar" in results:
@@ -196,7 +197,8 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
         ar_runs = ar["tokens_per_second_repeats"]
         for r in results.values():
             r["speedup_vs_ar"] = r["tokens_per_second"] / base if base else None
-            r["speedup_vs_ar_repeats"] = [a / b for a, b in zip(r["tokens_per_second_repeats"], ar_runs) if b]
+            r["speedup_vs_ar_repeats"] = [a / b for a, b in zip(r["tokens_per_second_repeats"], ar_runs, strict=False)
+                                          if b]
             sps = r["seconds_per_step"]
             if sps and r["tau"]:  # the loop's own limit: tau * t_step / (t_draft + t_verify)
                 r["speedup_bound"] = r["tau"] * t_step / (sps["draft"] + sps["verify"])
@@ -244,8 +246,8 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
     outs = []
     for start in range(0, n, 100):
         rows = min(100, n - start)
-        gens = engine.generate([list(ids)] * rows, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed0 + start,
-                               shared_prefix=list(ids[:-1]))
+        gens = engine.generate([list(ids)] * rows, method=m.spec, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed0 + start, shared_prefix=list(ids[:-1]))
         outs += [g.token_ids for g in gens]
     return outs
 

@@ -24,7 +24,8 @@ def cmd_data_regenerate(args) -> int:
                                   "to in-process regeneration")
         folder = args.target or default_target_dir()
         tokenizer = load_tokenizer(folder)
-        source = RemoteTarget(args.server, tokenizer, stop_token_ids(folder, tokenizer), api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        source = RemoteTarget(args.server, tokenizer, stop_token_ids(folder, tokenizer),
+                              api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                               model=args.model, concurrency=args.concurrency, ask_token_ids=not args.text_only)
     else:
         from ..engine import Engine
@@ -142,7 +143,8 @@ def register(sub, methods) -> None:
                         "the greedy one, is in another folder; default 0)")
     r.add_argument("--dedup-against", metavar="FOLDER[,FOLDER]",
                    help="answer folders whose answers count as kept: an id answered there is skipped, a new answer "
-                        "identical to one there for its prompt is dropped (e.g. the greedy answers, with --first-answer 1)")
+                        "identical to one there for its prompt is dropped (e.g. the greedy answers, "
+                        "with --first-answer 1)")
     r.add_argument("--feature-cache", metavar="DIR",
                    help="also store the target's features of every answer, and its 32 likeliest next tokens at "
                         "every answer position (soft labels, `train --distill`), in this training feature cache "
@@ -155,7 +157,8 @@ def register(sub, methods) -> None:
                    help="--feature-cache: the target layers to record, e.g. 1,14,27 (default: the cache's own, "
                         "else those of --draft or of the drafter shipped for the default target)")
     r.add_argument("--method", choices=["ar", "dflash"], default="ar", help="dflash: speculative, needs a drafter")
-    r.add_argument("--target", help="target model folder (with --server: only its tokenizer and chat template are used)")
+    r.add_argument("--target",
+                   help="target model folder (with --server: only its tokenizer and chat template are used)")
     r.add_argument("--draft")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the target's precision (default: bf16 on CUDA, fp32 on CPU; greedy answers in bf16 can "

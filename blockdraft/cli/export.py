@@ -57,7 +57,8 @@ def cmd_export_gguf_drafter(args) -> int:
              if info["draft_vocab_size"] else "")
     print(f"wrote {args.out} ({info['bytes'] / 2**20:.1f} MiB, {info['weight_type']}, {info['layers']} layers, "
           f"block {info['block_size']}{vocab}); run it with\n  llama-server -m TARGET.gguf --spec-type "
-          f"{'draft-dspark' if info['markov_rank'] else 'draft-dflash'} --spec-draft-model {args.out} --spec-draft-n-max {info['block_size'] - 1}", file=sys.stderr)
+          f"{'draft-dspark' if info['markov_rank'] else 'draft-dflash'} --spec-draft-model {args.out} "
+          f"--spec-draft-n-max {info['block_size'] - 1}", file=sys.stderr)
     return 0
 
 

@@ -88,5 +88,6 @@ def register(sub, methods) -> None:
     t.add_argument("--resume-from", metavar="DIR",
                    help="continue the run whose position DIR holds (a --position-dir folder or a checkpoint) in "
                         "--out: its settings are DIR's; --max-steps, --data, --out, --feature-cache, --feature-dtype, "
-                        "--eval-every and --save-every may be given; without optimizer state AdamW's moments start anew")
+                        "--eval-every and --save-every may be given; "
+                        "without optimizer state AdamW's moments start anew")
     t.set_defaults(func=cmd_train)

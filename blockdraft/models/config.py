@@ -60,7 +60,7 @@ class TargetConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "TargetConfig":
+    def from_dict(cls, raw: dict) -> TargetConfig:
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL:  # the language model only; its output head is tied as the outer config says
             raw = {**raw["text_config"], "model_type": MULTIMODAL[model_type],
@@ -96,7 +96,7 @@ class TargetConfig:
         return cls(**{**fields, **family.extra(raw)})
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "TargetConfig":
+    def from_folder(cls, folder: str | Path) -> TargetConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise BlockdraftError(f"{folder}: not a model folder (no config.json)")

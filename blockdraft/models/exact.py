@@ -191,7 +191,7 @@ class ExactLinear(nn.Linear):
     the wrapped layer's parameters (ties and state-dict keys are unchanged)."""
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, kernel: str) -> "ExactLinear":
+    def wrap(cls, linear: nn.Linear, kernel: str) -> ExactLinear:
         new = _linear_sharing(cls, linear)
         new.product = ExactProduct(kernel)
         return new

@@ -63,7 +63,8 @@ def module():
         mod = cpp_extension.load(name=f"blockdraft_native_{tag}", sources=[str(SOURCE)], extra_cflags=FLAGS,
                                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # a compiler or toolchain problem: the other kernels still run
-        warnings.warn(f"the native bf16 kernel did not build ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+        warnings.warn("the native bf16 kernel did not build "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                       "using torch's kernels", stacklevel=2)
         return None
     if fresh:

@@ -226,7 +226,7 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
-             kernel: str | None = None) -> "PackedLinear":
+             kernel: str | None = None) -> PackedLinear:
         new = _linear_sharing(cls, linear)
         new.packs = WeightPacks(sizes, min_rows, kernel)
         return new

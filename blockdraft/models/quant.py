@@ -91,7 +91,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         """Symmetric per-row int8 of an fp32 weight (`quantize_rows_int8`)."""
         return cls(*quantize_rows_int8(weight.detach()), bias)
 
@@ -248,7 +248,8 @@ def quantize_target(model, gguf_file=None) -> dict:
     parts = {("self_attn", "qkv_proj"): [("attn_q", cfg.num_attention_heads), ("attn_k", cfg.num_key_value_heads),
                                          ("attn_v", None)],
              ("self_attn", "o_proj"): [("attn_output", None)],
-             ("mlp", "gate_up_proj"): [("ffn_gate", None), ("ffn_up", None)], ("mlp", "down_proj"): [("ffn_down", None)]}
+             ("mlp", "gate_up_proj"): [("ffn_gate", None), ("ffn_up", None)],
+             ("mlp", "down_proj"): [("ffn_down", None)]}
     for i, layer in enumerate(model.model.layers):
         for (block, attr), names in parts.items():
             owner = getattr(layer, block)

@@ -82,7 +82,7 @@ class Server:
                     h = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        raise ClientGone("while its request waited or ran")
+                        raise ClientGone("while its request waited or ran") from None
                     continue
                 if h.error:
                     raise ApiError(h.error_status, h.error,
@@ -109,7 +109,8 @@ class Server:
 
 
 def create_app(server: Server, start_scheduler: bool = True):
-    """The ASGI app: FastAPI's, behind `RequestCap` when the server has a request cap. `start_scheduler=False`: the caller steps the scheduler itself
+    """The ASGI app: FastAPI's, behind `RequestCap` when the server has a request cap.
+    `start_scheduler=False`: the caller steps the scheduler itself
     (`Scheduler.run` on the main thread, as `blockdraft serve` does)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -293,7 +294,7 @@ def create_app(server: Server, start_scheduler: bool = True):
 
         text, handle = "", None
         try:
-            async for delta, handle, _ended in server.run(request, row, endpoint, stream=False):
+            async for delta, handle, _ended in server.run(request, row, endpoint, stream=False):  # noqa: B007 (handle: the last one, read after the loop)
                 text += delta
         except ApiError as exc:
             server.metrics.observe_request(endpoint, exc.status)

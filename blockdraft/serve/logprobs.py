@@ -75,7 +75,7 @@ def chat_logprobs(texts: TokenTexts, ids: list[int], scores: list[tuple]) -> dic
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                        for t, (lp, top) in zip(ids, scores)], "refusal": None}
+                        for t, (lp, top) in zip(ids, scores, strict=False)], "refusal": None}
 
 
 class CompletionLogprobs:
@@ -89,7 +89,7 @@ class CompletionLogprobs:
 
     def __call__(self, ids: list[int], scores: list[tuple]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, (logprob, top) in zip(ids, scores):
+        for token_id, (logprob, top) in zip(ids, scores, strict=False):
             text, raw = self.texts.get(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)

@@ -53,7 +53,8 @@ class Metrics:
                 self.drafted.labels(str(k)).inc()
                 if k <= accepted:
                     self.accepted.labels(str(k)).inc()
-        for k, (rate, reached) in enumerate(zip(self._positions.rates(), self._positions.reached), start=1):
+        for k, (rate, reached) in enumerate(zip(self._positions.rates(), self._positions.reached, strict=False),
+                                            start=1):
             if reached:
                 self.position_rate.labels(str(k)).set(rate)
 

@@ -121,10 +121,12 @@ class RequestReader:
                 raise ApiError(400, "'top_logprobs' is a chat completions field; legacy completions take "
                                     "'logprobs': N", "top_logprobs")
             top = MAX_TOP_LOGPROBS["completions"]
-            return check_field(body, "logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+            return check_field(body, "logprobs", int, None, check=lambda v: 0 <= v <= top,
+                               what=f"an integer in [0, {top}]")
         on = check_field(body, "logprobs", bool, False, what="a boolean")
         top = MAX_TOP_LOGPROBS["chat"]
-        k = check_field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= top, what=f"an integer in [0, {top}]")
+        k = check_field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= top,
+                        what=f"an integer in [0, {top}]")
         if k is not None and not on:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (k or 0) if on else None

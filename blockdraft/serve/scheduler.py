@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +41,7 @@ class Handle:
 
     id: int
     row: object  # engine.Row: the Request, its stop strings and its text stream
-    on_event: Callable[["Handle"], None]
+    on_event: Callable[[Handle], None]
     state: SequenceState = field(default_factory=SequenceState)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

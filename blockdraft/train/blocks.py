@@ -57,7 +57,7 @@ def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size:
     n = len(seqs)
     width = max(len(s) for s in seqs)
     anchors = [sample_anchors(st, len(s), num_anchors, block_size, anchor_mode, generator)
-               for s, st in zip(seqs, answer_starts)]
+               for s, st in zip(seqs, answer_starts, strict=False)]
     a_max = max(1, max(len(a) for a in anchors))
     q = a_max * block_size
     # one tensor expression per field (a Python loop over sequences x anchors x positions cost

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -301,9 +301,12 @@ class RegenStats:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+GREEDY_SAMPLING = AnswerSampling()  # the default of answer_prompts / regenerate (frozen: one instance is safe)
+
+
 @torch.inference_mode()
 def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batch_size: int,
-                   sampling: AnswerSampling = AnswerSampling(), method: str = "ar", max_prompt_tokens: int = 256,
+                   sampling: AnswerSampling = GREEDY_SAMPLING, method: str = "ar", max_prompt_tokens: int = 256,
                    seconds: float | None = None, until=None, on_sample=None, bar=None,
                    sort_every: int | None = None, share_prefix: bool = True, features=None) -> RegenStats:
     """Answer prompts in one continuously batched decode loop of `batch_size` slots: before every
@@ -382,7 +385,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
             break
         step = batcher.step()
         stats.steps += 1
-        for k, new in step.new_ids.items():
+        for _k, new in step.new_ids.items():
             stats.tokens += len(new)
         for k, state in step.done:
             finish(k, state)
@@ -395,7 +398,7 @@ def answer_prompts(engine, prompts: Iterator[dict], *, max_new_tokens: int, batc
 
 def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | None = None, limit: int | None = None,
                max_new_tokens: int = 256, max_prompt_tokens: int = 256, batch_size: int = 128,
-               sampling: AnswerSampling = AnswerSampling(), answers_per_prompt: int = 1, method: str = "ar",
+               sampling: AnswerSampling = GREEDY_SAMPLING, answers_per_prompt: int = 1, method: str = "ar",
                seconds: float | None = None, until=None, progress: bool = True, concurrency: int = 64,
                share_prefix: bool = True, sources: dict | None = None, first_answer: int = 0,
                dedup_against: Iterable[str | Path] = (), feature_cache=None) -> RegenStats:
@@ -450,7 +453,7 @@ def regenerate(engine, out_dir: str | Path, *, mix: dict[str, float] | str | Non
         stream = training_prompts(engine.tokenizer, mix, max_prompt_tokens, fps, sources=sources, skip=skip,
                                   rejected=turned_away.ids)
         if limit is not None:
-            stream = (p for _, p in zip(range(limit), stream))
+            stream = (p for _, p in zip(range(limit), stream, strict=False))
         todo = (p for p in answer_copies(stream, answers_per_prompt, first_answer) if p["id"] not in done)
         how = f"{concurrency} requests at once to {engine.url}" if remote else f"{batch_size} rows"
         here = len(dedup.written | dedup.dropped)

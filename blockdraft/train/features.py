@@ -2,7 +2,8 @@
 
 A training step spends most of its time in the frozen target's forward (on the default target
 on a 2-core CPU, 70% of a DFlash step and 82% of an EAGLE-3 step; README, "Training"), and that
-forward gives the same features for a sample every epoch. With a cache, the first time a sample is trained on its features (the captured
+forward gives the same features for a sample every epoch.
+With a cache, the first time a sample is trained on its features (the captured
 layers, concatenated) are written to disk in float16, or in int8 with a float32 scale per
 position and layer (`--feature-dtype int8`: half the disk); later steps read them back instead.
 The drafter always trains on the rounded features as stored, computed or read, so a run trains
@@ -191,7 +192,8 @@ class FeatureCache:
         name = None if readonly else writer or f"rank{rank}"
         self._features = _Store(self.folder, "features", "index", name, self._record_bytes)
         # teacher records: int32 ids [rows, k] then float16 log-probabilities [rows, k]; extra (start, k)
-        self._teacher = _Store(self.folder, "teacher", "teacher-index", name, lambda rows, extra: teacher_bytes(rows, extra[1]))
+        self._teacher = _Store(self.folder, "teacher", "teacher-index", name,
+                               lambda rows, extra: teacher_bytes(rows, extra[1]))
         self.index = self._features.index
         self.hits = self.misses = 0
 
@@ -279,9 +281,11 @@ class FeatureCache:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the
         cache, and with `answer_starts` (soft labels) the top tokens of their answers not stored yet."""
         keys = [sequence_key(seq) for seq in sequences]
-        need = sum(self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys) if key not in self.index)
+        need = sum(self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys, strict=False)
+                   if key not in self.index)
         if answer_starts is not None:
-            need += teacher_bytes(sum(len(seq) - start for seq, start, key in zip(sequences, answer_starts, keys)
+            need += teacher_bytes(sum(len(seq) - start
+                                      for seq, start, key in zip(sequences, answer_starts, keys, strict=False)
                                       if key not in self._teacher.index))
         return need
 
@@ -294,7 +298,8 @@ class FeatureCache:
         if need <= free - reserve:
             return None
         return (f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
-                f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits ({max(0, free - reserve) / 2**30:.1f}"
+                f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits "
+                f"({max(0, free - reserve) / 2**30:.1f}"
                 f" GiB, 1 GiB kept free), and the target runs for the other samples every epoch")
 
     def room(self, nbytes: int, reserve: int = 2**30) -> bool:

@@ -65,7 +65,8 @@ def init_dflash_layers(drafter, target, how: str):
     layers = target.model.layers
     n = len(drafter.layers)
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n:]):
+        for mine, theirs in zip(drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n:],
+                                strict=False):
             att = mine.self_attn
             _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp,
                         mine.post_attention_layernorm)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 
@@ -58,7 +58,8 @@ class RemoteTarget:
         self.ask_token_ids = ask_token_ids  # request `return_token_ids` (False: for servers that reject it)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+                                 limits=httpx.Limits(max_connections=concurrency,
+                                                     max_keepalive_connections=concurrency))
         self.model = model or self._request("GET", "/v1/models")["data"][0]["id"]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:

@@ -190,7 +190,8 @@ class Trainer:
         if cfg.draft_vocab and not cfg.init_from:  # a warm start keeps its folder's vocabulary
             self.drafter.set_draft_vocab(frequent_tokens([s[0][s[1]:] for s in self.samples],
                                                          [s[0][:s[1]] for s in self.samples],
-                                                         self.drafter.draft_vocab.numel(), self.target.config.vocab_size))
+                                                         self.drafter.draft_vocab.numel(),
+                                                         self.target.config.vocab_size))
         if cfg.draft_vocab:
             self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
@@ -302,7 +303,7 @@ class Trainer:
         out["loss"], out["grad_norm"] = float(record["loss"]), float(record["grad_norm"])
         correct, count = record["correct"].cpu().tolist(), record["count"].cpu().tolist()
         # per block slot that drafts (a slot with no label in this layout has a count of 0)
-        out["acc"] = [round(c / t, 4) for c, t in zip(correct, count) if t]
+        out["acc"] = [round(c / t, 4) for c, t in zip(correct, count, strict=False) if t]
         return out
 
     def block_hidden(self, batch, labels: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -519,8 +520,8 @@ class Trainer:
         self.elapsed = state.get("elapsed", 0.0)
         metrics = self.out / "metrics.jsonl"
         if self.rank == 0 and metrics.is_file():  # drop records of steps the checkpoint does not hold
-            kept = [l for l in metrics.read_text().splitlines() if l and json.loads(l)["step"] <= self.step]
-            metrics.write_text("".join(l + "\n" for l in kept))
+            kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= self.step]
+            metrics.write_text("".join(line + "\n" for line in kept))
 
     # ---- the loop --------------------------------------------------------------------
 
