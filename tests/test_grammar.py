@@ -14,15 +14,13 @@ import torch
 
 import blockdraft.decode as decode_mod
 import blockdraft.grammar as grammar_mod
-from blockdraft.batcher import generate_steps
 from blockdraft.engine import Engine
 from blockdraft.errors import BlockdraftError
 from blockdraft.grammar import GrammarSpec
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer
 from blockdraft.sampling import SamplingParams, target_probs
-from blockdraft.sequences import Request
 
-from .test_sampling import PROMPT, V, L, chi_square, tiny  # noqa: F401 (the tiny target fixture)
+from .test_sampling import PROMPT, V, L, chi_square, sample_counts, tiny  # noqa: F401 (the tiny target fixture)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "hobbies": {"type": "array", "items": {"type": "string"}}},
@@ -166,19 +164,6 @@ def toy_distribution(hf, params: SamplingParams) -> dict[tuple, float]:
     return dist
 
 
-def toy_counts(target, proposer, params, n=3000, batch=500):
-    counts = {}
-    for start in range(0, n, batch):
-        reqs = [Request(PROMPT, max_new_tokens=L, grammar=ToyGrammar(), sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
-        states = []
-        for _ in generate_steps(target, proposer, reqs, 4, states):
-            pass
-        for s in states:
-            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_sampling_under_a_grammar_follows_the_masked_target_distribution(tiny, tree):  # noqa: F811
     hf, target, drafter = tiny
@@ -187,7 +172,7 @@ def test_sampling_under_a_grammar_follows_the_masked_target_distribution(tiny, t
     assert max(dist.values()) < 0.6 and sum(v == 0 for v in dist.values()) > 50  # spread, and masked
     proposer = (DFlashTreeProposer(drafter, target, top_k=2, tree_nodes=5) if tree
                 else DFlashProposer(drafter, target))
-    counts = toy_counts(target, proposer, params)
+    counts = sample_counts(target, proposer, params, grammar=ToyGrammar())
     assert all(dist[seq] > 0 for seq in counts), "an output the grammar forbids"
     stat, critical = chi_square(dist, counts)
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the masked target's distribution"

@@ -54,10 +54,12 @@ def exact_distribution(hf, params: SamplingParams) -> dict[tuple, float]:
     return dist
 
 
-def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=500) -> dict[tuple, int]:
+def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=500,
+                  grammar=None) -> dict[tuple, int]:
+    """How often each continuation comes out of n seeded runs (`grammar`: each request's, if any)."""
     counts: dict[tuple, int] = {}
     for start in range(0, n, batch):
-        reqs = [Request(PROMPT, max_new_tokens=L, sampling=SamplingParams(
+        reqs = [Request(PROMPT, max_new_tokens=L, grammar=grammar, sampling=SamplingParams(
             params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
         states = []
         for _ in generate_steps(target, proposer, reqs, 4, states):
