@@ -74,8 +74,10 @@ class GrammarSpec:
         raise BlockdraftError(f"unknown grammar kind {self.kind!r}; choose one of {', '.join(KINDS)}")
 
 
-# compact JSON, as OpenAI's structured outputs write it (no free whitespace to wander in)
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON in the target's own style: small models pretty-print it (newlines and indents), and forcing them
+# into compact JSON both worsens the answers and leaves the drafters' training distribution. Whitespace
+# between tokens is bounded, so a row can never wander in it until max_tokens.
+_JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A]{0,16}"}
 
 
 def _one_line(exc) -> str:

@@ -122,16 +122,16 @@ def test_the_clients_parse_with_a_pydantic_model(client):
 def test_json_object_is_an_object_on_both_endpoints_and_streams_as_text(client, engine):
     """json_object: a JSON object (chat, and legacy completions as vLLM takes it), `ar`'s tokens;
     streamed, the same text in text deltas."""
-    messages = [{"role": "user", "content": "List two colours as JSON."}]
-    r = client.chat.completions.create(model="smol", messages=messages, max_tokens=N, temperature=0,
+    messages = [{"role": "user", "content": "Name one colour, as a JSON object."}]
+    r = client.chat.completions.create(model="smol", messages=messages, max_tokens=48, temperature=0,
                                        response_format={"type": "json_object"}, extra_body=IDS)
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     assert r.choices[0].token_ids == ar(engine, r, GrammarSpec("json_object"))
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="smol", messages=messages, max_tokens=N, temperature=0, response_format={"type": "json_object"},
+        model="smol", messages=messages, max_tokens=48, temperature=0, response_format={"type": "json_object"},
         stream=True) if c.choices]
     assert "".join(pieces) == r.choices[0].message.content and sum(1 for p in pieces if p) > 1
-    legacy = client.completions.create(model="smol", prompt="A JSON object describing a dog:", max_tokens=N,
+    legacy = client.completions.create(model="smol", prompt="A JSON object describing a dog:", max_tokens=48,
                                        temperature=0, extra_body={"response_format": {"type": "json_object"}})
     assert legacy.choices[0].finish_reason == "stop" and isinstance(json.loads(legacy.choices[0].text), dict)
 
