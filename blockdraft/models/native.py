@@ -39,6 +39,9 @@ def supported() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    here = os.path.dirname(sys.executable)  # the virtualenv's bin: where pip's ninja lives, maybe not on PATH
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     return shutil.which(os.environ.get("CXX", "c++")) is not None and cpp_extension.is_ninja_available()
 
 
