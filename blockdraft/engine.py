@@ -111,6 +111,7 @@ class Engine:
                  packed: bool = False, draft_weights: str = "float"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self._grammar_lock = threading.Lock()
+        self._grammars: dict = {}  # compiled grammars by spec, newest last (`grammar`)
         self.draft_weights = draft_weights  # "float" or "int8": what drafters loaded later are turned into
         self.eagle = eagle  # an EAGLE-3-style baseline drafter, for comparisons
         self.default_target = default_target  # shipped drafters apply (loaded on first use)
@@ -344,7 +345,7 @@ class Engine:
 
         key = (spec.kind, json.dumps(spec.source, sort_keys=True))
         with self._grammar_lock:  # the server's request threads compile concurrently
-            cache = self.__dict__.setdefault("_grammars", {})
+            cache = self._grammars
             if key not in cache:
                 if len(cache) >= 64:  # a server sees many schemas: keep the newest
                     cache.pop(next(iter(cache)))
