@@ -1,6 +1,8 @@
 """What exact speculation costs: one target forward + logits verifying W = 1 / 4 / 8 / 16 tokens
 after a 300-token context, per dtype, with and without exact mode (`blockdraft.models.exact`),
-medians over interleaved rounds. docs/exactness.md shows the table.
+in bf16 exact mode with the eager step and with the fused native step (`models.native_step`,
+where this CPU runs it), medians over interleaved rounds; and where the fused step's time goes
+(its products, the LM head, the rest). docs/exactness.md shows the table.
 
     python benchmarks/exact_cost.py measure --out bench-results/exact-cost-NAME [--rounds 3]
     python benchmarks/exact_cost.py table bench-results/exact-cost-NAME --doc docs/exactness.md
@@ -21,15 +23,60 @@ sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
 WIDTHS = (1, 4, 8, 16)
-CONFIGS = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))
+# (dtype, exact mode, step): "eager" turns the fused step off, "auto" keeps what exact mode chose
+CONFIGS = (("float32", False, "auto"), ("float32", True, "auto"), ("bfloat16", False, "auto"),
+           ("bfloat16", True, "eager"), ("bfloat16", True, "auto"))
+
+
+def config_name(dt: str, ex: bool, step: str) -> str:
+    return f"{dt} {'exact' if ex else 'fastest'}" + (", eager step" if step == "eager" else "")
+
+
+def load(dt: str, ex: bool, step: str):
+    from blockdraft import Engine
+
+    e = Engine.load(dtype=getattr(torch, dt), exact=ex, use_draft=False)
+    if step == "eager" and e.target.native_step is not None:
+        e.target.native_step = None
+        e.target.exactness = {**e.target.exactness, "step": "eager: turned off"}
+    return e
+
+
+def parts(e, widths, repeats: int) -> dict:
+    """Median ms of the fused step's products alone at each width: every layer weight by W rows
+    through the native kernel, and the LM head through its exact kernel."""
+    from blockdraft.models import native
+
+    weights = [w for layer in native_step_weights(e.target) for w in layer]
+    out = {}
+    for w in widths:
+        xs = {k: torch.randn(w, k).to(torch.bfloat16) for k in {t.shape[1] for t in weights}}
+        head = torch.randn(w, e.target.config.hidden_size).to(torch.bfloat16)
+        layers, lm = [], []
+        for i in range(repeats + 1):
+            t = time.perf_counter()
+            for weight in weights:
+                native.linear(xs[weight.shape[1]], weight)
+            t1 = time.perf_counter()
+            e.target.logits(head)
+            if i:
+                layers.append(t1 - t)
+                lm.append(time.perf_counter() - t1)
+        out[f"products {w}"] = round(statistics.median(layers) * 1e3, 3)
+        out[f"lm head {w}"] = round(statistics.median(lm) * 1e3, 3)
+    return out
+
+
+def native_step_weights(model):
+    a = [(layer.self_attn, layer.mlp) for layer in model.model.layers]
+    return [[x.qkv_proj.weight, x.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight] for x, m in a]
 
 
 def measure(args) -> None:
-    from blockdraft import Engine
     from blockdraft.bench.runner import cpu_name
     from blockdraft.precision import bf16_speedup, cpu_flags
 
-    engines = {(dt, ex): Engine.load(dtype=getattr(torch, dt), exact=ex, use_draft=False) for dt, ex in CONFIGS}
+    engines = {c: load(*c) for c in CONFIGS}
     context = 300
     times: dict[str, list[float]] = {}
     caches = {}
@@ -39,31 +86,34 @@ def measure(args) -> None:
             e.target(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], caches[key])
             if not e.target.attention_chunk:  # the fastest kernels measure and pack on first use
                 e.target.warm_up(16)
+        fused = {}
         for _ in range(args.rounds):  # interleaved, so that drift hits every configuration alike
-            for (dt, ex), e in engines.items():
+            for (dt, ex, step), e in engines.items():
                 for w in WIDTHS:
                     toks = torch.randint(0, e.target.config.vocab_size, (1, w))
                     pos = torch.arange(context, context + w)[None]
                     for i in range(args.repeats + 1):
                         t = time.perf_counter()
-                        h, _ = e.target(toks, pos, caches[(dt, ex)])
+                        h, _ = e.target(toks, pos, caches[(dt, ex, step)])
                         e.target.logits(h).argmax(-1)
                         if i:
-                            times.setdefault(f"{dt} {'exact' if ex else 'fastest'} {w}", []).append(
-                                time.perf_counter() - t)
+                            times.setdefault(f"{config_name(dt, ex, step)} {w}", []).append(time.perf_counter() - t)
+                if e.target.native_step is not None:
+                    for k, v in parts(e, WIDTHS, args.repeats).items():
+                        fused.setdefault(k, []).append(v)
     bandwidth = read_bandwidth()
-    floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex), e in engines.items() if ex}
+    floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex, _), e in engines.items() if ex}
     out = {"machine": {"processor": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "flags": cpu_flags(), "bf16_speedup": bf16_speedup(),
                        "read_gb_per_s": round(bandwidth / 1e9, 1)},
            "floor_ms": floor,
-           "kernels": {f"{dt} {'exact' if ex else 'fastest'}":
-                       (getattr(e.target, "exactness", None) or {}).get("kernels", {})
-                       for (dt, ex), e in engines.items()},
+           "kernels": {config_name(*c): (getattr(e.target, "exactness", None) or {}).get("kernels", {})
+                       for c, e in engines.items()},
+           "steps": {config_name(*c): e.precision()["step"] for c, e in engines.items()},
+           "fused_parts_ms": {k: statistics.median(v) for k, v in fused.items()},
            "context": context, "command": " ".join(sys.argv),
            "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
-           "exactness": {f"{dt} {'exact' if ex else 'fastest'}": e.precision()["exact"]
-                         for (dt, ex), e in engines.items()}}
+           "exactness": {config_name(*c): e.precision()["exact"] for c, e in engines.items()}}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1))
     print(table_of(out))
@@ -98,19 +148,35 @@ def table_of(res: dict) -> str:
              f"{', '.join(m['flags']) or 'no amx_bf16 / avx512_bf16'} (a 16-row bf16 product at "
              f"{m['bf16_speedup']:.2f}x fp32's speed); target forward + logits after {res['context']} tokens, ms "
              "(median), and in plain steps of the same configuration", "",
-             "| configuration | bit-exact | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
-             "|---|---|" + "---|" * len(WIDTHS)]
+             "| configuration | step | bit-exact | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
+             "|---|---|---|" + "---|" * len(WIDTHS)]
+    steps = res.get("steps", {})
     for name, exact in res["exactness"].items():
         one = ms[f"{name} 1"]
         cells = [f"{ms[f'{name} {w}']:.1f}" + ("" if w == 1 else f" ({ms[f'{name} {w}'] / one:.2f})")
                  for w in WIDTHS]
-        lines.append(f"| {name} | {'yes' if exact else 'no'} | " + " | ".join(cells) + " |")
+        step = "fused" if steps.get(name) == "native" else "eager"
+        lines.append(f"| {name.removesuffix(', eager step')} | {step} | {'yes' if exact else 'no'} | "
+                     + " | ".join(cells) + " |")
     if res.get("floor_ms"):
         lines += ["", f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB): "
                   + ", ".join(f"{ms_:.1f} ms in {dt} (a plain exact step is {ms[f'{dt} exact 1'] / ms_:.1f}x that)"
                               for dt, ms_ in res["floor_ms"].items())
                   + ". Exact kernels: " + "; ".join(f"{k}: " + ", ".join(f"{n} {c}" for n, c in v.items())
                                                    for k, v in res["kernels"].items() if v) + "."]
+    fused = res.get("fused_parts_ms")
+    name = next((n for n, s in steps.items() if s == "native"), None)
+    if fused and name:
+        lines += ["", "Where the fused step's time goes, ms (median): its layers' products alone (each weight by "
+                  "W rows through the native kernel), the LM head, and the rest (norms, rotary, attention, "
+                  "activations, the call)", "",
+                  "| part | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |", "|---|" + "---|" * len(WIDTHS)]
+        rows = {"layer products": [fused[f"products {w}"] for w in WIDTHS],
+                "LM head": [fused[f"lm head {w}"] for w in WIDTHS]}
+        rows["the rest"] = [ms[f"{name} {w}"] - rows["layer products"][i] - rows["LM head"][i]
+                            for i, w in enumerate(WIDTHS)]
+        rows["whole step"] = [ms[f"{name} {w}"] for w in WIDTHS]
+        lines += [f"| {k} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for k, vals in rows.items()]
     return "\n".join(lines)
 
 

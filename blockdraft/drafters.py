@@ -60,7 +60,8 @@ def kind(name: str) -> DrafterKind:
 def load_drafter(name: str, folder, target, *, draft_weights: str = "float", packed: bool = False):
     """The one way a drafter is made ready to decode: a folder of kind `name` loaded in the
     target's device and dtype, checked against the target, its linears (and LM-head rows) in
-    int8 when `draft_weights` is "int8", its products through prepacked weights when `packed`."""
+    int8 when `draft_weights` is "int8", its products through prepacked weights when `packed`
+    (fp32; bf16 on a CPU with AVX512-BF16 through blockdraft's native kernel)."""
     module = kind(name).load(folder, target.device, target.dtype)
     module.check_target(target.config)
     if draft_weights == "int8":
@@ -68,9 +69,11 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
 
         quantize_drafter(module)
     if packed:
+        from .models.exact import native_linears
         from .models.packed import pack_linears
 
         pack_linears(module)
+        native_linears(module)
     return module
 
 

@@ -201,12 +201,14 @@ class Engine:
         return engine
 
     def precision(self) -> dict:
-        """What the target runs in and why: {"dtype", "dtype_reason", "exact"} ("exact": every
-        verified token's logits are, bit for bit, those of a plain step; see `models.exact`)."""
+        """What the target runs in and why: {"dtype", "dtype_reason", "exact", "step"} ("exact":
+        every verified token's logits are, bit for bit, those of a plain step, see `models.exact`;
+        "step": "native" for the fused step of `models.native_step`, else "eager: <why>")."""
         exactness = getattr(self.target, "exactness", None)
         quantization = getattr(self.target, "quantization", None)
         exact = exactness["exact"] if exactness else bool(quantization and quantization.get("exact_attention"))
-        return {"dtype": self.weights, "dtype_reason": self.dtype_reason, "exact": exact}
+        step = (exactness or {}).get("step") or ("eager: quantized weights" if quantization else "eager")
+        return {"dtype": self.weights, "dtype_reason": self.dtype_reason, "exact": exact, "step": step}
 
     def load_drafter(self, kind: str, folder):
         """A drafter folder of that kind, ready to decode with this engine's target, draft weights

@@ -73,10 +73,15 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-def tiny(path, dtype):
+def tiny(path, dtype, step="native"):
+    """The tiny target in exact mode; `step`: "native" keeps the fused step where this machine runs
+    it (bf16 with AVX512-BF16), "eager" turns it off."""
     target = load_target(path, dtype=dtype)
     summary = exact.make_exact(target)
     assert summary["exact"] and summary["attention_chunk"] == exact.ATTENTION_CHUNK
+    assert (summary["step"] == "native") == (dtype == torch.bfloat16 and native.available())
+    if step == "eager":
+        target.native_step = None
     torch.manual_seed(3)
     cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=63)
     return target, DFlashDrafter(cfg).to(dtype).eval()
@@ -104,10 +109,15 @@ def run(target, proposer, prompts, block, *, temperature=0.0, batch_size=None, a
     return [s.output_ids for s in states]
 
 
-@pytest.mark.parametrize("dtype", LOW)
+STEPS = [(torch.bfloat16, "native"), (torch.bfloat16, "eager"), (torch.float16, "eager")]
+
+
+@pytest.mark.parametrize("dtype,step", STEPS, ids=["bf16-native", "bf16-eager", "fp16"])
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
-def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, dtype, temperature):
-    target, drafter = tiny(tiny_path, dtype)
+def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, dtype, step, temperature):
+    if step == "native" and not native.available():
+        pytest.skip("the native step needs a CPU with AVX512-BF16")
+    target, drafter = tiny(tiny_path, dtype, step)
     prompts = prompts24()
     with torch.inference_mode():
         ar = [run(target, Proposer(), [p], 1, temperature=temperature, first=i)[0]  # one row a step
@@ -125,7 +135,7 @@ def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, d
 def test_a_width_dependent_product_changes_speculative_output(tiny_path, monkeypatch):
     """The comparison above catches the bug it is for: with one product made width-dependent
     (the mutant `split_sum`), speculative output leaves plain decoding's on the same prompts."""
-    target, drafter = tiny(tiny_path, torch.bfloat16)
+    target, drafter = tiny(tiny_path, torch.bfloat16, "eager")
     layer = target.model.layers[1].mlp.down_proj
     with torch.inference_mode():
         layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # the product keeps its kernel now
@@ -135,6 +145,36 @@ def test_a_width_dependent_product_changes_speculative_output(tiny_path, monkeyp
         ar = [run(target, Proposer(), [p], 1)[0] for p in prompts]
         spec = run(target, DFlashProposer(drafter, target), prompts, 8)
     assert spec != ar
+
+
+@pytest.mark.skipif(not native.available(), reason="the native step needs a CPU with AVX512-BF16")
+def test_a_width_dependent_step_is_refused_and_changes_speculative_output(tiny_path, monkeypatch):
+    """The fused step's load-time check and the comparison above catch a step that computes blocks
+    otherwise than single tokens (the mutant: the fused step for one token, the eager forward, with
+    its other roundings, for blocks)."""
+    from blockdraft.models import native_step
+
+    target, drafter = tiny(tiny_path, torch.bfloat16)
+    step = target.native_step
+    eager = type(target).forward
+
+    def mutant(tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(), features_only=False):
+        if tokens.shape[1] == 1:
+            return step(tokens, positions, cache, slots, mask, rows, capture, features_only)
+        target.native_step = None
+        try:
+            return eager(target, tokens, positions, cache, slots=slots, mask=mask, rows=rows, capture=capture,
+                         features_only=features_only)
+        finally:
+            target.native_step = mutant
+
+    with torch.inference_mode():
+        assert native_step.row_independent(target, step)
+        assert not native_step.row_independent(target, mutant)
+        target.native_step = mutant
+        prompts = prompts24()
+        ar = [run(target, Proposer(), [p], 1)[0] for p in prompts]
+        assert run(target, DFlashProposer(drafter, target), prompts, 8) != ar
 
 
 # ---- the default target, as a user runs it --------------------------------------------------
@@ -151,6 +191,7 @@ def test_bf16_engine_is_exact_and_says_so(bf16_engine):
     info = bf16_engine.precision()
     assert info["dtype"] == "bfloat16" and info["exact"] and info["dtype_reason"].startswith("chosen")
     assert bf16_engine.target.attention_chunk == exact.ATTENTION_CHUNK
+    assert info["step"] == "native" if native.available() else info["step"].startswith("eager")
 
 
 def test_default_target_in_bf16_speculates_exactly(bf16_engine):

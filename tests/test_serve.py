@@ -353,7 +353,8 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
     assert 'blockdraft_spec_drafted_tokens_total{position="1"}' in metrics
     assert "blockdraft_time_to_first_token_seconds_count" in metrics
     assert "blockdraft_running_batch_size" in metrics and "blockdraft_queue_depth" in metrics
-    assert re.search(r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+"\} 1', metrics)
+    assert re.search(r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+",'
+                     r'step="[^"]+"\} 1', metrics)
     served = [line for line in metrics.splitlines() if line.startswith('blockdraft_requests_total{endpoint="chat"'
                                                                       ',status="200"}')]
     assert served and float(served[0].split()[-1]) >= 17

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native_linear.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native_linear.cpp", HERE / "native_step.cpp"]
+HEADER = HERE / "native.h"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers, and runs on one
 # thread without it (the libgomp.so.1 torch already loaded serves the extension too)
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
@@ -54,7 +56,8 @@ def module():
 
     from .default import cache_home
 
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    tag = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     folder = cache_home() / "native" / tag
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not any(folder.glob("*.so"))
@@ -63,7 +66,7 @@ def module():
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        mod = cpp_extension.load(name=f"blockdraft_native_{tag}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        mod = cpp_extension.load(name=f"blockdraft_native_{tag}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
                                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # a compiler or toolchain problem: the other kernels still run
         warnings.warn("the native bf16 kernel did not build "

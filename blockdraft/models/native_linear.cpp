@@ -7,7 +7,8 @@
 // needs (a token verified in a block gets the logits it gets decoded alone). Rows are grouped by
 // four only so a tile of four weight rows is read once per group; threads split the output
 // features (torch's own pool), never a sum.
-#include <torch/extension.h>
+#include "native.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -81,22 +82,8 @@ inline void rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat1
 
 }  // namespace
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 inputs only");
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [R, K] and w [N, K]");
-    x = x.contiguous();
-    w = w.contiguous();
-    const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
-    auto y = torch::empty({R, N}, x.options());
-    torch::Tensor b;
-    if (bias.has_value() && bias->defined()) {
-        b = bias->to(at::kBFloat16).contiguous();
-        TORCH_CHECK(b.numel() == N, "bias of N elements");
-    }
-    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+void blockdraft::product_bf16(const at::BFloat16* xp, const at::BFloat16* wp, const at::BFloat16* bp,
+                              at::BFloat16* yp, int64_t R, int64_t K, int64_t N) {
     const int64_t tiles = (N + TILE - 1) / TILE;
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -109,9 +96,26 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
             }
         }
     });
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 inputs only");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [R, K] and w [N, K]");
+    x = x.contiguous();
+    w = w.contiguous();
+    const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
+    auto y = torch::empty({R, N}, x.options());
+    torch::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+        b = bias->to(at::kBFloat16).contiguous();
+        TORCH_CHECK(b.numel() == N, "bias of N elements");
+    }
+    blockdraft::product_bf16(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                             b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), R, K, N);
     return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");
+    m.def("llama_forward", &llama_forward, "a whole cached forward of a Llama-family target, row-independent");
 }

@@ -185,6 +185,7 @@ class Transformer(nn.Module):
     from_hf_weights = staticmethod(fuse_hf_weights)  # HF checkpoint names -> our fused parameters
     backbone = Backbone  # the embedding, decoder layers and final norm
     recurrent = False  # no layer keeps a state per sequence besides its cache slots (see `qwen3_5`)
+    native_step = None  # a `models.native_step.NativeStep` runs every cached forward when set (`make_exact`)
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -268,6 +269,8 @@ class Transformer(nn.Module):
         attention by ranges of rows, each reading only the cache slots it needs (rows sorted
         by length then skip the padding up to the longest row).
         """
+        if cache is not None and self.native_step is not None:
+            return self.native_step(tokens, positions, cache, slots, mask, rows, capture, features_only)
         x = self.embed(tokens)
         inputs = self.layer_inputs(positions, x.dtype, cache, slots, mask, rows, groups)
         captured = {}

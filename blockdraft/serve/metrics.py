@@ -14,9 +14,11 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         p = "blockdraft_"
         if precision is not None:  # what the target runs in and why (`Engine.precision`), as an info gauge
-            info = Gauge(p + "target_precision_info", "The target's dtype, why it was chosen, and whether "
-                         "speculation is bit-exact", ["dtype", "exact", "reason"], registry=r)
-            info.labels(precision["dtype"], str(precision["exact"]).lower(), precision["dtype_reason"]).set(1)
+            info = Gauge(p + "target_precision_info", "The target's dtype, why it was chosen, whether "
+                         "speculation is bit-exact, and which step runs", ["dtype", "exact", "reason", "step"],
+                         registry=r)
+            info.labels(precision["dtype"], str(precision["exact"]).lower(), precision["dtype_reason"],
+                        precision.get("step", "eager")).set(1)
         self.requests = Counter(p + "requests", "Finished HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)

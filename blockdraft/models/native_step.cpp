@@ -1,0 +1,286 @@
+// A whole cached forward of a Llama-family target in bf16, in one call (built with native_linear.cpp by
+// blockdraft/models/native.py; driven by `native.NativeStep`).
+//
+// Why: the eager forward of a small target is a few thousand operator calls a step, and on a CPU their
+// dispatch, not the weights, sets the step's time. Here each layer is eight loops over plain buffers.
+//
+// Row-independent by construction, like the products: every token's arithmetic is a fixed sequence of
+// operations over its own row (norms sum in one order, the products are `product_bf16`'s), and its
+// attention visits the cache slots it may see in slot order and nothing else (a masked slot is skipped,
+// not added as a zero). A token verified in a block, in a batch or as a tree node therefore gets bit for
+// bit what it gets decoded alone, as long as it sees the same keys in the same order: a tree node's
+// ancestors sit in increasing slots (a parent comes before its children), so it meets the committed
+// context, its ancestors and itself in the order of its own sequence.
+//
+// Numbers: activations bf16 between operations (as the eager bf16 model), every operation computed in
+// fp32 and rounded once; keys and values kept in fp32 in the cache (the engine's CPU cache dtype).
+#include "native.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float f(bf16 v) { return static_cast<float>(v); }
+
+const bf16* opt(const torch::Tensor& t) { return t.numel() ? t.data_ptr<bf16>() : nullptr; }
+
+struct Layer {
+    const bf16 *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *ln2, *gu_w, *gu_b, *down_w, *down_b;
+    int64_t inter;  // the MLP's hidden size
+};
+constexpr size_t PER_LAYER = 12;
+
+// 16 bf16 values (the lanes past m zero) as fp32, and back with round-to-nearest-even
+inline __m512 load16(const bf16* p, __mmask16 m = 0xFFFF) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(bf16* p, __m512 v, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// a = bf16(a + b), n values
+void add(bf16* a, const bf16* b, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        store16(a + i, _mm512_add_ps(load16(a + i, m), load16(b + i, m)), m);
+    }
+}
+
+// y = bf16(w * x / rms(x)) per row; the sum of squares in one order (16 lanes, then across them)
+void rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = load16(x + i, lanes(n - i));
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        store16(y + i, _mm512_mul_ps(load16(w + i, m), _mm512_mul_ps(load16(x + i, m), inv)), m);
+    }
+}
+
+void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * n, w, y + r * n, n, eps);
+}
+
+// q/k norm (Qwen3) and rotary embedding of one head in place: x[i] * cos[i] + x[(i + D/2) % D] * sin[i]
+// (the sin table carries the sign of the rotation), rounded once
+void rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps) {
+    float v[512];
+    for (int64_t i = 0; i < d; ++i) v[i] = f(x[i]);
+    if (norm != nullptr) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+        for (int64_t i = 0; i < d; ++i) v[i] = f(bf16(f(norm[i]) * f(bf16(v[i] * inv))));
+    }
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < d; ++i) x[i] = bf16(v[i] * cos[i] + v[(i + h) % d] * sin[i]);
+}
+
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error
+// ~1e-7), times 2^n. Lane by lane the same arithmetic, so a value's result does not depend on its lane.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// e^(x[i] - shift) in place for n values, in lanes of 16 (the last partial one masked)
+void exp_shifted(float* x, int64_t n, float shift) {
+    const __m512 s = _mm512_set1_ps(shift);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        _mm512_mask_storeu_ps(x + i, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s)));
+    }
+}
+
+// a[j] = bf16(silu(g[j]) * u[j]) for n values, 16 lanes at a time (the last partial one masked)
+void silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        const __m512 z = load16(g + i, m), up = load16(u + i, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
+        store16(a + i, _mm512_mul_ps(_mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), up), m);
+    }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple of 16, fixed order
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> llama_forward(
+    torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor visible, int64_t window,
+    torch::Tensor k_cache, torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin,
+    std::vector<torch::Tensor> weights, torch::Tensor final_norm, std::vector<int64_t> capture, int64_t last,
+    bool final_hidden, double eps_, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x: [B, T, H] bf16");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [L, B, KV, S, D] fp32");
+    TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 512 && heads % kv_heads == 0, "head shape");
+    TORCH_CHECK(weights.size() % PER_LAYER == 0 && last < static_cast<int64_t>(weights.size() / PER_LAYER), "weights");
+    const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, D = head_dim;
+    const int64_t S = k_cache.size(3), Bc = k_cache.size(1), G = heads / kv_heads;
+    TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(4) == D && row0 + B <= Bc, "cache shape");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(1) == D, "rotary tables: [P, D] fp32");
+    const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    positions = positions.contiguous();
+    slots = slots.contiguous();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < R; ++i)
+        TORCH_CHECK(slot[i] >= 0 && slot[i] < S && pos[i] >= 0 && pos[i] < cos.size(0), "slot or position out of range");
+
+    // each token's visible slots, in slot order: from `visible` [B, T, >= used], or (empty) every slot up to
+    // its own position within the window (slot = position)
+    std::vector<int64_t> start(R + 1, 0);
+    std::vector<int32_t> seen;
+    if (visible.numel()) {
+        visible = visible.contiguous();
+        TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == B && visible.size(1) == T, "visible");
+        const int64_t V = std::min<int64_t>(visible.size(2), S);
+        const bool* vis = visible.data_ptr<bool>();
+        for (int64_t i = 0; i < R; ++i) {
+            for (int64_t s = 0; s < V; ++s)
+                if (vis[i * visible.size(2) + s]) seen.push_back(static_cast<int32_t>(s));
+            start[i + 1] = static_cast<int64_t>(seen.size());
+        }
+    } else {
+        for (int64_t i = 0; i < R; ++i) {
+            const int64_t first = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
+            for (int64_t s = first; s <= pos[i]; ++s) seen.push_back(static_cast<int32_t>(s));
+            start[i + 1] = static_cast<int64_t>(seen.size());
+        }
+    }
+    int64_t most = 0;
+    for (int64_t i = 0; i < R; ++i) most = std::max(most, start[i + 1] - start[i]);
+
+    const size_t L = weights.size() / PER_LAYER;
+    std::vector<Layer> layers(L);
+    for (size_t l = 0; l < L; ++l) {
+        const torch::Tensor* w = &weights[l * PER_LAYER];
+        for (size_t j = 0; j < PER_LAYER; ++j)
+            TORCH_CHECK(!w[j].numel() || (w[j].scalar_type() == at::kBFloat16 && w[j].is_contiguous()), "bf16 weights");
+        layers[l] = {opt(w[0]), opt(w[1]), opt(w[2]), opt(w[3]), opt(w[4]), opt(w[5]), opt(w[6]), opt(w[7]),
+                     opt(w[8]), opt(w[9]), opt(w[10]), opt(w[11]), w[10].size(1)};
+    }
+    const int64_t NQ = heads * D, NQKV = (heads + 2 * kv_heads) * D;
+    int64_t inter = 0;
+    for (const auto& l : layers) inter = std::max(inter, l.inter);
+
+    auto opts = x.options();
+    auto hidden = x.clone();
+    auto normed = torch::empty({R, H}, opts), tmp = torch::empty({R, H}, opts);
+    auto qkv = torch::empty({R, NQKV}, opts), attn = torch::empty({R, NQ}, opts);
+    auto gu = torch::empty({R, 2 * inter}, opts), act = torch::empty({R, inter}, opts);
+    torch::Tensor features;
+    if (!capture.empty()) features = torch::empty({B, T, static_cast<int64_t>(capture.size()) * H}, opts);
+    bf16 *hp = hidden.data_ptr<bf16>(), *np = normed.data_ptr<bf16>(), *tp = tmp.data_ptr<bf16>();
+    bf16 *qp = qkv.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *cp = act.data_ptr<bf16>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const float* cosp = cos.data_ptr<float>();
+    const float* sinp = sin.data_ptr<float>();
+    const int64_t layer_stride = Bc * kv_heads * S * D;
+
+    for (int64_t l = 0; l <= last; ++l) {
+        const Layer& w = layers[l];
+        float* kl = kc + l * layer_stride;
+        float* vl = vc + l * layer_stride;
+        rms_norm(hp, w.ln1, np, R, H, eps);
+        blockdraft::product_bf16(np, w.qkv_w, w.qkv_b, qp, R, H, NQKV);
+        // rotary (and q/k norms), then this call's keys and values into their cache slots
+        for (int64_t i = 0; i < R; ++i) {
+            const int64_t b = i / T;
+            bf16* row = qp + i * NQKV;
+            const float* c = cosp + pos[i] * D;
+            const float* s = sinp + pos[i] * D;
+            for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, w.q_norm, c, s, D, eps);
+            for (int64_t h = 0; h < kv_heads; ++h) {
+                bf16* k = row + (heads + h) * D;
+                const bf16* v = row + (heads + kv_heads + h) * D;
+                rotate(k, w.k_norm, c, s, D, eps);
+                float* kd = kl + (((row0 + b) * kv_heads + h) * S + slot[i]) * D;
+                float* vd = vl + (((row0 + b) * kv_heads + h) * S + slot[i]) * D;
+                for (int64_t j = 0; j < D; ++j) kd[j] = f(k[j]), vd[j] = f(v[j]);
+            }
+        }
+        // attention: one task per (token, KV head), its G query heads in turn over the visible slots
+        at::parallel_for(0, R * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+            std::vector<float> score(std::max<int64_t>(most, 1));
+            float q[512], out[512];
+            for (int64_t task = t0; task < t1; ++task) {
+                const int64_t i = task / kv_heads, h = task % kv_heads, b = i / T;
+                const float* kbase = kl + ((row0 + b) * kv_heads + h) * S * D;
+                const float* vbase = vl + ((row0 + b) * kv_heads + h) * S * D;
+                const int32_t* vis = seen.data() + start[i];
+                const int64_t n = start[i + 1] - start[i];
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t head = h * G + g;
+                    const bf16* qh = qp + i * NQKV + head * D;
+                    for (int64_t j = 0; j < D; ++j) q[j] = f(qh[j]);
+                    float top = -INFINITY;
+                    for (int64_t j = 0; j < n; ++j) {
+                        score[j] = dot(q, kbase + vis[j] * D, D) * scale;
+                        top = std::max(top, score[j]);
+                    }
+                    exp_shifted(score.data(), n, top);
+                    float sum = 0.f;
+                    for (int64_t j = 0; j < n; ++j) sum += score[j];
+                    __m512 acc[32];
+                    for (int64_t c = 0; c < D / 16; ++c) acc[c] = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < n; ++j) {
+                        const __m512 p = _mm512_set1_ps(score[j]);
+                        const float* v = vbase + vis[j] * D;
+                        for (int64_t c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+                    }
+                    const float inv = n ? 1.0f / sum : 0.f;
+                    for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+                    bf16* o = ap + i * NQ + head * D;
+                    for (int64_t j = 0; j < D; ++j) o[j] = bf16(out[j] * inv);
+                }
+            }
+        });
+        blockdraft::product_bf16(ap, w.o_w, w.o_b, tp, R, NQ, H);
+        add(hp, tp, R * H);
+        rms_norm(hp, w.ln2, np, R, H, eps);
+        const int64_t I = w.inter;
+        blockdraft::product_bf16(np, w.gu_w, w.gu_b, gp, R, H, 2 * I);
+        for (int64_t i = 0; i < R; ++i) silu_mul(gp + i * 2 * I, gp + i * 2 * I + I, cp + i * I, I);
+        blockdraft::product_bf16(cp, w.down_w, w.down_b, tp, R, I, H);
+        add(hp, tp, R * H);
+        for (size_t c = 0; c < capture.size(); ++c)
+            if (capture[c] == l) {
+                bf16* fp = features.data_ptr<bf16>();
+                const int64_t width = static_cast<int64_t>(capture.size()) * H;
+                for (int64_t i = 0; i < R; ++i) std::copy(hp + i * H, hp + (i + 1) * H, fp + i * width + c * H);
+            }
+    }
+    torch::Tensor out;
+    if (final_hidden) {
+        out = torch::empty({B, T, H}, opts);
+        rms_norm(hp, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>(), R, H, eps);
+    }
+    return {out, features};
+}

@@ -1,0 +1,89 @@
+"""The fused bf16 step (`models.native_step`) against the eager forward: for every Llama-family
+variant (biases, q/k norms, a sliding window), a prefill, a verified block and a token tree give
+hidden states, captured features and cached keys/values as close to the fp32 eager forward as the
+eager bf16 forward's are; and it is row-independent (the speculation tests in `test_exact.py`)."""
+
+import pytest
+import torch
+
+from blockdraft.models import exact, load_target, native, native_step
+
+from .conftest import save_tiny_hf
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native step needs a CPU with AVX512-BF16")
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "mistral-window": ("mistral", {"sliding_window": 6}),
+    "llama-head-32": ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1}),
+}
+
+
+def forwards(model, ids, capture):
+    """Prefill 10 tokens, verify a block of 5, then a 4-node tree after them: (hidden, features)
+    of each, and the cache."""
+    cache = model.new_cache(1, 32)
+    out = [model(ids[:, :10], torch.arange(10)[None], cache, capture=capture)]
+    out.append(model(ids[:, 10:15], torch.arange(10, 15)[None], cache, capture=capture))
+    # the tree below 15 tokens: node 0 at position 15, nodes 1 and 2 its children, node 3 a child of 2
+    positions = torch.tensor([[15, 16, 16, 17]])
+    slots = torch.tensor([[15, 16, 17, 18]])
+    mask = torch.zeros(1, 1, 4, 19, dtype=torch.bool)
+    mask[..., :15] = True
+    for node, seen in enumerate(([15], [15, 16], [15, 17], [15, 17, 18])):
+        mask[0, 0, node, seen] = True
+    window = model.config.sliding_window
+    if window:
+        mask[0, 0, :, :] &= (torch.arange(19)[None] > positions[0, :, None] - window) | (torch.arange(19) >= 15)
+    out.append(model(ids[:, 15:19], positions, cache, slots=slots, mask=mask, capture=capture))
+    return out, cache
+
+
+def error(got, ref):
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_fused_step_is_as_close_to_fp32_as_the_eager_bf16_forward(tmp_path, variant):
+    model_type, overrides = VARIANTS[variant]
+    save_tiny_hf(model_type, tmp_path, **overrides)
+    ref_model = load_target(tmp_path, dtype=torch.float32)
+    eager = load_target(tmp_path, dtype=torch.bfloat16)
+    fused = load_target(tmp_path, dtype=torch.bfloat16)
+    assert exact.make_exact(fused)["step"] == "native"
+    ids = torch.randint(0, ref_model.config.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
+    capture = (0, 2)
+    with torch.inference_mode():
+        ref, ref_cache = forwards(ref_model, ids, capture)
+        bf, bf_cache = forwards(eager, ids, capture)
+        got, got_cache = forwards(fused, ids, capture)
+    for (rh, rf), (bh, bfe), (gh, gf) in zip(ref, bf, got, strict=True):
+        assert gh.dtype == torch.bfloat16 and gh.shape == rh.shape and gf.shape == rf.shape
+        for g, b, r in ((gh, bh, rh), (gf, bfe, rf)):
+            assert error(g, r) <= max(2 * error(b, r), 4e-3), (error(g, r), error(b, r))
+    used = 19
+    for g, b, r in ((got_cache.k, bf_cache.k, ref_cache.k), (got_cache.v, bf_cache.v, ref_cache.v)):
+        g, b, r = (t[..., :used, :] for t in (g, b, r))
+        assert error(g, r) <= max(2 * error(b, r), 4e-3)
+
+
+def test_the_fused_step_features_only_stops_at_the_deepest_captured_layer(tmp_path):
+    save_tiny_hf("llama", tmp_path)
+    model = load_target(tmp_path, dtype=torch.bfloat16)
+    exact.make_exact(model)
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        hidden, full = model(ids, torch.arange(6).expand(2, -1), model.new_cache(2, 8), capture=(1,))
+        none, features = model(ids, torch.arange(6).expand(2, -1), model.new_cache(2, 8), capture=(1,),
+                               features_only=True)
+    assert none is None and hidden.shape == (2, 6, 64) and torch.equal(features, full)
+
+
+def test_the_step_is_off_where_it_does_not_apply(tmp_path, monkeypatch):
+    save_tiny_hf("llama", tmp_path)
+    assert native_step.unsupported(load_target(tmp_path, dtype=torch.float32)) == "bf16 on a CPU only"
+    monkeypatch.setenv(native_step.ENV, "0")
+    model = load_target(tmp_path, dtype=torch.bfloat16)
+    assert exact.make_exact(model)["step"] == f"eager: {native_step.ENV}=0" and model.native_step is None
