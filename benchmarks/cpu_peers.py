@@ -20,7 +20,8 @@ import torch
 
 from blockdraft import Engine
 from blockdraft.bench.peers import LlamaCppRunner, llamacpp_available
-from blockdraft.bench.runner import cpu_name, load_prompts
+from blockdraft.bench.runner import load_prompts
+from blockdraft.machine import cpu_name
 from blockdraft.models.default import gguf_path
 from blockdraft.models.gguf import default_f32_gguf
 

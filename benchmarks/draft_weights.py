@@ -1,7 +1,7 @@
 """fp32 vs int8 drafter weights, side by side (the figures the README quotes for `--draft-weights`).
 
 Two engines on the same target, one with fp32 drafters and one with int8 copies
-(`models.quant.quantize_drafter`); every prompt runs each method on both, in alternating
+(`draft_head.quantize_drafter`); every prompt runs each method on both, in alternating
 order, greedy. Prints per method and dataset: tau, the drafter's ms per step, the verify ms
 per step, tokens/s (median over prompts) and the int8 / fp32 ratio of tokens/s (median
 of the per-prompt ratios), and whether both gave the same tokens.

@@ -73,8 +73,9 @@ def native_step_weights(model):
 
 
 def measure(args) -> None:
-    from blockdraft.bench.runner import cpu_name
-    from blockdraft.precision import bf16_speedup, cpu_flags
+    from blockdraft.machine import cpu_name
+    from blockdraft.machine import cpu_flags
+    from blockdraft.precision import bf16_speedup
 
     engines = {c: load(*c) for c in CONFIGS}
     context = 300

@@ -57,12 +57,13 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.bench.runner import cpu_name
+from blockdraft.machine import cpu_name
 from blockdraft.train.answers import prompt_of
 from blockdraft.train.data import ShardWriter, iter_samples
 from blockdraft.train.features import TEACHER_TOPK
 from blockdraft.train.config import TrainConfig
-from blockdraft.train.trainer import Trainer, adopt_position
+from blockdraft.train.samples import adopt_position
+from blockdraft.train.trainer import Trainer
 
 DATA = "data/regen/smollm2-135m-instruct"
 RESULTS = Path("data/train-logs/experiments.jsonl")

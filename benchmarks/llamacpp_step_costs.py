@@ -27,7 +27,8 @@ from pathlib import Path
 
 from blockdraft import Engine
 from blockdraft.bench.llama_server import LlamaServer, drafter_gguf, find_llama_server
-from blockdraft.bench.runner import cpu_name, load_prompts
+from blockdraft.bench.runner import load_prompts
+from blockdraft.machine import cpu_name
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models.gguf import default_f32_gguf
 

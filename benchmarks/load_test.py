@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import doctable  # noqa: E402
 
-from blockdraft.bench.runner import cpu_name  # noqa: E402
+from blockdraft.machine import cpu_name  # noqa: E402
 from blockdraft.datasets import mtbench  # noqa: E402
 from blockdraft.serve.client import ServerProcess, stream_chat  # noqa: E402
 

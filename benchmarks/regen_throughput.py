@@ -37,7 +37,7 @@ import torch
 
 from blockdraft import Engine
 from blockdraft.models.transformer import KVCache
-from blockdraft.bench.runner import cpu_name
+from blockdraft.machine import cpu_name
 from blockdraft.train.answers import AnswerSampling
 from blockdraft.train.data import answer_prompts, parse_mix, regenerate, training_prompts
 

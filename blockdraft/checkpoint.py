@@ -46,18 +46,15 @@ def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: tor
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_config(folder: str | Path, *architectures: str) -> dict:
+def read_config(folder: str | Path, *architectures: str, label: str = "drafter of this kind") -> dict:
     """A drafter folder's config.json, checked to be of one of `architectures` (the first is the
-    kind's own; a folder naming none is taken as that)."""
+    kind's own; a folder naming none is taken as that); `label` names the kind in the error."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise BlockdraftError(f"{folder}: not a drafter folder (no config.json)")
     raw = json.loads((folder / "config.json").read_text())
     found = (raw.get("architectures") or [architectures[0]])[0]
     if found not in architectures:
-        from .drafters import KINDS
-
-        label = next((k.label for k in KINDS.values() if k.architecture == architectures[0]), architectures[0])
         raise BlockdraftError(f"{folder}: not a {label} (architectures={raw.get('architectures')})")
     return raw
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_weights, read_config, write_model_folder
+from .checkpoint import load_weights, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
 # (DraftConfig is also imported from here, with the drafter it configures)
-from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig
+from .draft_config import DraftConfig, read_draft_config
 from .draft_head import FloatHead, Int8Head
 
 
@@ -386,7 +386,7 @@ class DFlashDrafter(DrafterBase):
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
-        cfg = DraftConfig.from_dict(read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE))
+        cfg = DraftConfig.from_dict(read_draft_config(folder))
         drafter = load_weights(cls, cfg, folder, device, dtype)
         drafter.folder = Path(folder)  # where it came from (exports to other engines read the files)
         return drafter

@@ -231,6 +231,14 @@ def _required(found: dict, key: str):
 # (what `blockdraft export drafter` writes for a drafter with a Markov head)
 ARCHITECTURE = "DFlashDraftModel"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+LABEL = "DFlash drafter"  # how messages name the kind
+
+
+def read_draft_config(folder) -> dict:
+    """A DFlash (or DSpark) drafter folder's config.json; a clear error for any other folder."""
+    from .checkpoint import read_config
+
+    return read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE, label=LABEL)
 
 # the config.json keys of a Markov head (DSpark's names)
 MARKOV_KEYS = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")

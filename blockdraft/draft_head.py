@@ -6,8 +6,11 @@ the drafter is given (`drafter.head`), not a flag on its class:
 
 - `FloatHead` (default): `F.linear` over the rows, gathered once outside autograd;
 - `PackedHead`: the same through prepacked weights (`models.packed.WeightPacks`, given by
-  `pack_linears`);
-- `Int8Head`: from int8 copies of the rows (`models.quant.quantize_drafter`), inference only.
+  `pack_drafter`);
+- `Int8Head`: from int8 copies of the rows (`quantize_drafter`), inference only.
+
+This module stands between drafters and kernels: it knows both, the kernels (`models.packed`,
+`models.quant`) know nothing of heads.
 
 Each back-end keeps what it derived from the head (gathered rows, packs, int8 copies) until
 the head's weights or the draft vocabulary change.
@@ -17,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from .models.packed import tensor_version
+from torch import nn
+
+from .models.packed import WeightPacks, pack_linears, packing_available, tensor_version
+from .models.quant import Int8Linear, quantize_linears
 
 
 class FloatHead:
@@ -67,9 +73,29 @@ class Int8Head(FloatHead):
     def logits(self, flat, lm_head_weight, vocab):
         if torch.is_grad_enabled():
             return super().logits(flat, lm_head_weight, vocab)
-        from .models.quant import Int8Linear
-
         # (the int8 rows only: no float copy of the gathered rows is kept)
         head = self.keep("int8", lm_head_weight, vocab, lambda: Int8Linear.from_float(
             lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab]))
         return head(flat)
+
+
+def pack_drafter(drafter: nn.Module) -> int:
+    """A drafter's products through prepacked weights (fp32 on CPU: `models.packed`), its LM-head
+    rows included (`PackedHead`); returns how many linears were packed."""
+    swapped = pack_linears(drafter)
+    if packing_available() and type(getattr(drafter, "head", None)) is FloatHead:
+        drafter.head = PackedHead(WeightPacks())
+    return swapped
+
+
+def quantize_drafter(drafter: nn.Module) -> int:
+    """Swap a drafter's linear layers for `Int8Linear`s in place and have it score its share of
+    the target's LM head from int8 rows too (`Int8Head`); returns how many linears were swapped.
+
+    Inference only (a drafter's weights in int8 read 4x fewer bytes; at the 1-8 rows of a
+    draft pass its products are memory-bound here): what the target emits does not change,
+    since every draft is verified by the target (and sampled verification uses the drafter's
+    own probabilities, whatever weights made them). A quantized drafter cannot be saved."""
+    swapped = quantize_linears(drafter)
+    drafter.head = Int8Head()
+    return swapped

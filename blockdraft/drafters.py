@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from .draft_config import ARCHITECTURE
+from .draft_config import ARCHITECTURE, LABEL
 from .errors import BlockdraftError
 
 
@@ -65,14 +65,14 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
     module = kind(name).load(folder, target.device, target.dtype)
     module.check_target(target.config)
     if draft_weights == "int8":
-        from .models.quant import quantize_drafter
+        from .draft_head import quantize_drafter
 
         quantize_drafter(module)
     if packed:
+        from .draft_head import pack_drafter
         from .models.exact import native_linears
-        from .models.packed import pack_linears
 
-        pack_linears(module)
+        pack_drafter(module)
         native_linears(module)
     return module
 
@@ -128,7 +128,7 @@ def _dflash_proposer(drafter, target):
 
 
 register(DrafterKind(
-    "dflash", "DFlash drafter", ARCHITECTURE, "--draft", "drafter", _dflash_load, _dflash_build, _dflash_init,
+    "dflash", LABEL, ARCHITECTURE, "--draft", "drafter", _dflash_load, _dflash_build, _dflash_init,
     _dflash_train_hidden, _dflash_proposer, soft_labels=True,
     describe=lambda d: f"{len(d.layers)} layer(s)" + (f", Markov head rank {d.config.markov_rank}"
                                                        if d.config.markov_rank else "")))

@@ -29,6 +29,7 @@ from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
 
 ARCHITECTURE = "Eagle3DraftModel"
+LABEL = "EAGLE-3-style drafter"  # how messages name the kind
 
 
 def eagle_layer_ids(num_target_layers: int) -> list[int]:
@@ -158,7 +159,8 @@ class EagleDrafter(DrafterBase):
 
     @classmethod
     def load(cls, folder: str | Path, device=None, dtype: torch.dtype | None = None) -> EagleDrafter:
-        return load_weights(cls, EagleConfig.from_dict(read_config(folder, ARCHITECTURE)), folder, device, dtype)
+        cfg = EagleConfig.from_dict(read_config(folder, ARCHITECTURE, label=LABEL))
+        return load_weights(cls, cfg, folder, device, dtype)
 
     def check_target(self, target: TargetConfig):
         cfg = self.config

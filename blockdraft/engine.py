@@ -146,7 +146,7 @@ class Engine:
         `dtype="q4_1"`, which runs the target's linear layers from 4-bit weights (CPU; for the default
         target the GGUF file's own values, see `models.quant`); drafters as `draft_weights` says.
         `draft_weights`: "int8" runs the drafters' linear layers (and their share of the LM head)
-        from int8 copies of their weights (CPU; `models.quant.quantize_drafter`): a draft pass
+        from int8 copies of their weights (CPU; `draft_head.quantize_drafter`): a draft pass
         reads 4x fewer bytes, the output is the target's either way; "float": the target's
         floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float.
         `exact` (default): every product and attention row-independent (`models.exact`), so that

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import read_config, write_model_folder
+from .checkpoint import write_model_folder
 from .draft import DFlashDrafter
-from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, PUBLISHED_KEYS
+from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, PUBLISHED_KEYS, read_draft_config
 from .errors import BlockdraftError
 
 # the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)
@@ -54,7 +54,7 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     ({"draft_vocab_size": N or None, "config": [dropped keys], "layout": a few words}).
     `markov_head=False`: a drafter with a Markov head is written without it, as a plain DFlash
     drafter in the published format (for engines that do not run DSpark's layout, e.g. SGLang)."""
-    raw = read_config(src, ARCHITECTURE, DSPARK_ARCHITECTURE)
+    raw = read_draft_config(src)
     ours = raw.get("blockdraft") or {}
     if ours.get("context_mode", "kv") != "kv":
         raise BlockdraftError(f"{src}: a drafter trained with context_mode={ours['context_mode']!r} (an "

@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import read_config
-from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE
 from .draft import DFlashDrafter
+from .draft_config import read_draft_config
 from .errors import BlockdraftError
 from .models.gguf import _gguf, copy_fields, gguf_file
 
@@ -96,7 +95,7 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     gguf = _gguf()
     if weight_type not in WEIGHT_TYPES:
         raise BlockdraftError(f"weight type {weight_type!r}: choose one of {', '.join(WEIGHT_TYPES)}")
-    read_config(src, ARCHITECTURE, DSPARK_ARCHITECTURE)  # a clear error for anything else (e.g. an EAGLE-3 drafter)
+    read_draft_config(src)  # a clear error for anything else (e.g. an EAGLE-3 drafter)
     drafter = DFlashDrafter.load(src)
     cfg = drafter.config
     if (cfg.extra.get("blockdraft") or {}).get("context_mode", "kv") != "kv":

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .machine import cpu_flags, machine_key
+
 ROWS, WIDTH = 16, 1024
 BF16_WINS_AT = 1.2  # bf16 is chosen when its product is at least this much faster than fp32's
 
@@ -29,16 +31,6 @@ class Choice:
     @property
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-
-def cpu_flags() -> list[str]:
-    """The bf16-related instruction sets the CPU reports (Linux), e.g. ['amx_bf16', 'avx512_bf16']."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted({f for f in flags if f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")})
 
 
 def product_seconds(dtype: torch.dtype, rows: int = ROWS, width: int = WIDTH, runs: int = 7) -> float:
@@ -60,7 +52,6 @@ def bf16_speedup() -> float:
     """How many times as fast a verify-sized bf16 product runs as an fp32 one on this CPU:
     measured once per machine, kept in `$BLOCKDRAFT_HOME/precision.json`."""
     from .models.default import cache_home
-    from .models.exact import machine_key
 
     store = cache_home() / "precision.json"
     key = machine_key()

@@ -284,4 +284,4 @@ def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):
     from blockdraft.train.init import init_from_target
 
     with pytest.raises(BlockdraftError, match="use --init random"):
-        init_from_target(drafter, target, "target-last")
+        init_from_target(drafter, target, "target-last", None)

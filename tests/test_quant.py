@@ -226,7 +226,7 @@ def shipped_pair():
     from blockdraft.draft import DFlashDrafter
     from blockdraft.eagle import EagleDrafter
     from blockdraft.engine import shipped_drafter
-    from blockdraft.models.packed import pack_linears
+    from blockdraft.draft_head import pack_drafter, quantize_drafter
 
     pairs = {}
     for kind, cls in (("dflash", DFlashDrafter), ("eagle3", EagleDrafter)):
@@ -235,8 +235,8 @@ def shipped_pair():
             pytest.skip(f"no shipped {kind} drafter")
         fp32 = cls.load(folder).eval()
         q8 = copy.deepcopy(fp32)
-        assert quant.quantize_drafter(q8) > 0 and not any(isinstance(m, torch.nn.Linear) for m in q8.modules())
-        pack_linears(fp32)
+        assert quantize_drafter(q8) > 0 and not any(isinstance(m, torch.nn.Linear) for m in q8.modules())
+        pack_drafter(fp32)
         pairs[kind] = fp32, q8
     return pairs
 
@@ -273,7 +273,9 @@ def test_an_int8_drafter_cannot_be_saved(tmp_path, random_drafter):
     from blockdraft.errors import BlockdraftError
 
     q8 = copy.deepcopy(random_drafter)
-    quant.quantize_drafter(q8)
+    from blockdraft.draft_head import quantize_drafter
+
+    quantize_drafter(q8)
     with pytest.raises(BlockdraftError, match="int8"):
         q8.save(tmp_path / "d")
     random_drafter.save(tmp_path / "fp32")  # the fp32 one it was made from still can

@@ -106,7 +106,7 @@ def test_an_int8_drafter_samples_follow_the_target_distribution(tiny):
     samples still follow the target's distribution."""
     import copy
 
-    from blockdraft.models.quant import quantize_drafter
+    from blockdraft.draft_head import quantize_drafter
 
     hf, target, drafter = tiny
     params = SamplingParams(1.0)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.bench.runner import cpu_name
+from blockdraft.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from experiments import records  # noqa: E402  (benchmarks/experiments.py)
@@ -48,7 +48,7 @@ def data_summary(cfg: dict) -> tuple[collections.Counter, int, int, int, int]:
     """Samples per prompt source (the id's prefix), the training / held-out counts, and how
     many answers were sampled (a temperature recorded) rather than greedy, of what a run's
     settings train on; and how many its --skip-trained-by left out."""
-    from blockdraft.train.trainer import trained_ids, training_samples
+    from blockdraft.train.samples import trained_ids, training_samples
 
     train, valid, _, skipped = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
                                                 None, trained_ids(cfg.get("skip_trained_by")))

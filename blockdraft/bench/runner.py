@@ -30,6 +30,7 @@ from ..costs import PositionAcceptance
 from ..datasets import gsm8k, humaneval, is_validation, iter_sharegpt, load_prompt_file, mtbench
 from ..engine import Generation
 from ..errors import BlockdraftError
+from ..machine import cpu_name
 from ..spec import SpecConfig
 from .peers import SERVER_PEERS, Peers
 from .repetition import repetition_stats
@@ -250,16 +251,6 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
                                temperature=temperature, seed=seed0 + start, shared_prefix=list(ids[:-1]))
         outs += [g.token_ids for g in gens]
     return outs
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(engine) -> dict:

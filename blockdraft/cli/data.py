@@ -92,15 +92,14 @@ def feature_layers(args, engine) -> list[int]:
     meta = Path(args.feature_cache) / "meta.json"
     if meta.is_file():
         return json.loads(meta.read_text())["layers"]
-    from ..checkpoint import read_config
-    from ..draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, DraftConfig
+    from ..draft_config import DraftConfig, read_draft_config
     from ..engine import shipped_drafter
 
     folder = args.draft or (shipped_drafter("dflash") if engine.default_target else None)
     if folder is None:
         raise BlockdraftError("--feature-cache: say which target layers to record (--feature-layers 1,14,27) or "
                               "name the drafter to be trained from (--draft DIR)")
-    return DraftConfig.from_dict(read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE)).target_layer_ids
+    return DraftConfig.from_dict(read_draft_config(folder)).target_layer_ids
 
 
 def cmd_data_prompts(args) -> int:

@@ -49,7 +49,7 @@ def cmd_train(args) -> int:
         # the run's settings are the position's; only what a resume may change comes from the flags given
         from pathlib import Path
 
-        from ..train.trainer import adopt_position
+        from ..train.samples import adopt_position
 
         src = Path(args.resume_from)
         if not (src / "state.json").is_file() or not (src / "drafter").is_dir():

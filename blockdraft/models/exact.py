@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
+from ..machine import machine_key
 from . import native
 from .layers import chunked_attention_is_exact
 from .packed import _linear_sharing, tensor_version
@@ -99,19 +100,6 @@ def _seconds(fn, weight: torch.Tensor, bias: torch.Tensor | None, runs: int = 5)
                 fn(x, weight, bias)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def machine_key() -> str:
-    """What a kernel's arithmetic depends on besides its inputs: torch, the CPU and its threads."""
-    import platform
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"torch {torch.__version__} | {cpu} | {torch.get_num_threads()} threads"
 
 
 @functools.cache

@@ -33,7 +33,7 @@ FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq
 
 def supported() -> bool:
     """Whether this machine can build and run the kernel (without building it)."""
-    from ..precision import cpu_flags
+    from ..machine import cpu_flags
 
     if os.environ.get("BLOCKDRAFT_NATIVE", "1") == "0":
         return False

@@ -238,18 +238,13 @@ class PackedLinear(nn.Linear):
 def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
                  kernel: str | None = None) -> int:
     """Swap the fp32 CPU `nn.Linear`s of `model` for `PackedLinear`s; returns how many.
-    `kernel` forces one kernel (`KERNELS`) instead of the fastest measured.
-    A drafter's product with its rows of the target's LM head (outside any `nn.Linear`) gets a
-    `draft_head.PackedHead` over a `WeightPacks` of its own.
+    `kernel` forces one kernel (`KERNELS`) instead of the fastest measured. (A drafter's product
+    with its rows of the target's LM head is outside any `nn.Linear`: `draft_head.pack_drafter`.)
     Does nothing (returns 0) where no kernel besides `F.linear` is available."""
     if not packing_available():
         return 0
-    from ..draft_head import FloatHead, PackedHead
-
     swapped = 0
     for parent in list(model.modules()):
-        if type(getattr(parent, "head", None)) is FloatHead:
-            parent.head = PackedHead(WeightPacks(sizes, min_rows, kernel))
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
@@ -260,12 +255,8 @@ def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo `pack_linears` (frees the packed copies); returns how many were restored."""
-    from ..draft_head import FloatHead, PackedHead
-
     restored = 0
     for parent in list(model.modules()):
-        if isinstance(getattr(parent, "head", None), PackedHead):
-            parent.head = FloatHead()
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
                 setattr(parent, name, _linear_sharing(nn.Linear, child))

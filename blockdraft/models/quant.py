@@ -131,27 +131,19 @@ def int8_drafters_pay(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and int4_available()
 
 
-def quantize_drafter(drafter: nn.Module) -> int:
-    """Swap a drafter's linear layers for `Int8Linear`s in place and have it score its share of
-    the target's LM head from int8 rows too; returns how many linears were swapped.
-
-    Inference only (a drafter's weights in int8 read 4x fewer bytes; at the 1-8 rows of a
-    draft pass its products are memory-bound here): what the target emits does not change,
-    since every draft is verified by the target (and sampled verification uses the drafter's
-    own probabilities, whatever weights made them). A quantized drafter cannot be saved."""
+def quantize_linears(module: nn.Module) -> int:
+    """Swap a module's linear layers for `Int8Linear`s in place (CPU, inference only); returns
+    how many were swapped. For drafters (`draft_head.quantize_drafter` adds their LM-head rows)."""
     if not int4_available():
         raise BlockdraftError("this torch build has no int8 CPU weight kernel (torch >= 2.6 needed)")
     swapped = 0
-    for parent in list(drafter.modules()):
+    for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 if child.weight.device.type != "cpu":
                     raise BlockdraftError("int8 drafter weights run on CPU (torch's int8 CPU kernel)")
                 setattr(parent, name, Int8Linear.from_float(child.weight, child.bias))
                 swapped += 1
-    from ..draft_head import Int8Head
-
-    drafter.head = Int8Head()
     return swapped
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters import kind_of
 from ..errors import BlockdraftError
 
 
@@ -23,13 +22,14 @@ def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns:
     post_norm.weight.copy_(theirs.post_attention_layernorm.weight)
 
 
-def init_from_target(drafter, target, how: str):
+def init_from_target(drafter, target, how: str, init_layers):
     """Warm start: copy the first or last N target layers' attention, MLP and norm weights into
     the drafter's N layers (the DFlash drafter's extra q/k norms and every fc stay freshly
     initialised; the EAGLE layer gets the target layer's q/k/v on its hidden-state half).
     `target-last-fc` also starts `fc` as the identity on the deepest captured layer and
     `hidden_norm` as the norm the target applies to it, so that the context keys and values
-    begin as the target's own."""
+    begin as the target's own. `init_layers(drafter, target, how)`: the kind's own layer copy
+    (`drafters.DrafterKind.init_layers`)."""
     layers = target.model.layers
     if how not in ("target-first", "target-last", "target-last-fc"):
         raise BlockdraftError(f"--init must be random, target-first, target-last or target-last-fc, not {how!r}")
@@ -37,7 +37,7 @@ def init_from_target(drafter, target, how: str):
         raise BlockdraftError(f"--init {how} copies Llama-style attention layers; this target's layers are "
                               "linear and gated attention (use --init random)")
     with torch.no_grad():
-        kind_of(drafter).init_layers(drafter, target, how)
+        init_layers(drafter, target, how)
         if how.startswith("target-last"):
             drafter.norm.weight.copy_(target.model.norm.weight)
         if how == "target-last-fc":

@@ -15,7 +15,6 @@ function of (seed, step, rank), so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import math
@@ -30,98 +29,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .. import drafters
-from ..batcher import generate_steps
 from ..draft_config import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
-from ..sequences import Request
-from .blocks import IGNORE, build_blocks
+from .blocks import build_blocks
 from .config import SETTINGS_BEFORE, TrainConfig, lr_at
-from .data import data_folders, iter_samples
 from .features import FP16_MAX, TEACHER_TOPK, sequence_key, top_tokens
+from . import evaluate
 from .init import init_from_target
-from .loss import accepted_lengths, frequent_tokens, previous_tokens, weighted_loss
-
-
-def adopt_position(src: Path, out: Path) -> bool:
-    """Make training position `src` (state.json + drafter/, e.g. a committed --position-dir
-    folder) the checkpoint of run folder `out`, unless `out` already holds one as far or
-    further; True if it was copied."""
-    state = json.loads((src / "state.json").read_text())
-    ck = out / "checkpoint"
-    mine = json.loads((ck / "state.json").read_text())["step"] if (ck / "state.json").is_file() else -1
-    if mine >= state["step"]:
-        return False
-    if ck.exists():
-        shutil.rmtree(ck)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, ck)
-    return True
-
-
-def sample_key(folder: Path, sample: dict) -> tuple[str, str]:
-    """A training sample's identity across runs: its folder and its id (two folders may answer one prompt)."""
-    return str(folder.resolve()), sample["id"]
-
-
-def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | None = None,
-                     limit_samples: int | None = None, skip: set | frozenset = frozenset()):
-    """What a run with these settings trains on: the training items of the --data folders, in
-    folder and shard order, each (sequence cut to max_seq_len, prompt length, sample, folder),
-    the first `folder_samples[n]` of folder n, less those whose `sample_key` is in `skip`, the
-    first `limit_samples` of the rest. Also the held-out items, the count per folder (before
-    `skip`) and how many `skip` left out."""
-    folders = data_folders(data)
-    for folder in folders:
-        if not folder.is_dir():
-            raise BlockdraftError(f"training data folder not found: {folder} "
-                                  "(make it with `blockdraft data regenerate`)")
-    if folder_samples is not None and len(folder_samples) != len(folders):
-        raise BlockdraftError(f"--folder-samples: one count per --data folder, got {folder_samples}")
-    train, valid, counts = [], [], []
-    for n, folder in enumerate(folders):
-        mine = []
-        for s in iter_samples(folder):
-            item = ((s["prompt_ids"] + s["answer_ids"])[:max_seq_len], len(s["prompt_ids"]), s, folder)
-            (valid if s["split"] == "valid" else mine).append(item)
-        mine = [t for t in mine if len(t[0]) - t[1] >= 2]
-        if folder_samples is not None:
-            mine = mine[: folder_samples[n]]
-        counts.append(len(mine))
-        train += mine
-    kept = [t for t in train if sample_key(t[3], t[2]) not in skip] if skip else train
-    skipped = len(train) - len(kept)
-    if limit_samples:
-        kept = kept[:limit_samples]
-    return kept, valid, counts, skipped
-
-
-def trained_ids(position: str | Path | None) -> frozenset[tuple[str, str]]:
-    """The `sample_key` of every sample the run at `position` (a --position-dir or a run's
-    checkpoint folder: its state.json) trained on: its --data as it stood then (folders grow only
-    at the end), cut as it cut them, with what its own --skip-trained-by run trained on. The run
-    must have gone through all of its samples at least once. None (no --skip-trained-by): none."""
-    if not position:
-        return frozenset()
-    state_file = Path(position) / "state.json"
-    if not state_file.is_file():
-        raise BlockdraftError(f"--skip-trained-by: no state.json in {position}")
-    state = json.loads(state_file.read_text())
-    cfg = state["config"]
-    if not cfg.get("limit_samples") and not cfg.get("folder_samples"):
-        raise BlockdraftError(f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
-                              "so which of its folders' samples it trained on is not known")
-    done = trained_ids(cfg.get("skip_trained_by"))
-    train, *_ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
-                                 cfg.get("limit_samples"), done)
-    seen = state["step"] * cfg["batch_size"] * state.get("processes", 1)
-    if seen < len(train):
-        raise BlockdraftError(f"--skip-trained-by: {position} went through {seen:,} sequences, fewer than its "
-                              f"{len(train):,} samples, so not all of them were trained on")
-    return done | {sample_key(t[3], t[2]) for t in train}
+from .loss import frequent_tokens, previous_tokens, weighted_loss
+from .samples import trained_ids, training_samples
 
 
 class Trainer:
@@ -183,7 +102,7 @@ class Trainer:
         self.drafter = self.kind.build(self.target.config, cfg, vocab).to(self.device)
         self.drafter.reset_parameters()
         if cfg.init != "random":
-            init_from_target(self.drafter, self.target, cfg.init)
+            init_from_target(self.drafter, self.target, cfg.init, self.kind.init_layers)
         if cfg.init_from:
             self._init_from_folder(Path(cfg.init_from))
         self.to_draft = None
@@ -362,80 +281,8 @@ class Trainer:
         return self.kind.train_hidden(self.model, self.target, batch, tokens, features, positions), teacher
 
     # ---- evaluation ------------------------------------------------------------------
-
-    @torch.no_grad()
-    def evaluate_tau(self, block_size: int | None = None) -> float:
-        """τ of the current drafter in the real decode loop, greedy, on held-out prompts, at
-        `block_size`, the verified block (default: the trained one's, one more than the trained block
-        in DSpark's layout, where every slot drafts; a drafter runs at any block up to it)."""
-        pool = self.valid or self.samples
-        prompts = [s[2]["prompt_ids"] for s in pool[: self.cfg.eval_prompts]]
-        self.drafter.eval()
-        reqs = [Request(p, self.cfg.eval_max_new_tokens, stop_token_ids=self.stop_token_ids) for p in prompts]
-        states = []
-        # Decoding runs the drafter in the target's dtype, as `Engine.load` does.
-        drafter = self.drafter if self.dtype == torch.float32 else copy.deepcopy(self.drafter).to(self.dtype)
-        proposer = self.kind.proposer(drafter, self.target)
-        for _ in generate_steps(self.target, proposer, reqs, block_size or proposer.max_block_size, states):
-            pass
-        self.drafter.train()
-        lengths = [a for s in states for a in s.acceptance_lengths]
-        return sum(lengths) / max(1, len(lengths))
-
-    @torch.no_grad()
-    def evaluate_blocks(self, num_samples: int = 128, seed: int = 12345, block_size: int | None = None,
-                        num_anchors: int | None = None) -> dict:
-        """Teacher-forced acceptance on held-out answers. The answers are the target's own greedy
-        continuations (regenerated data), so at an anchor the drafter's block (one pass, greedy)
-        is accepted up to its first wrong position, exactly as in the decode loop given the same
-        committed context: τ_blocks = 1 + the mean correct prefix, over thousands of blocks at
-        random anchors in `num_samples` held-out answers (the same blocks for every run with the
-        same block size and anchors); plus per draft position the hard-label cross-entropy and
-        accuracy. Cheaper and steadier than `evaluate_tau`'s decode run. `block_size` and
-        `num_anchors` (default: the trained ones) evaluate blocks as served at a smaller block:
-        runs trained at different blocks compare on the same blocks."""
-        cfg, dev = self.cfg, self.device
-        pool = (self.valid or self.samples)[:num_samples]
-        gen = torch.Generator().manual_seed(seed)
-        head = self.drafter.head_weight(self.target.lm_head.weight)
-        b = block_size or cfg.block_size
-        if b > cfg.block_size:
-            raise ValueError(f"a drafter trained at block {cfg.block_size} cannot run at block {b}")
-        ce, ce_count, hit, count = (torch.zeros(b, device=dev) for _ in range(4))
-        accepted, blocks = torch.zeros((), device=dev), torch.zeros((), device=dev)
-        self.drafter.eval()
-        for s in range(0, len(pool), cfg.batch_size):
-            items = pool[s:s + cfg.batch_size]
-            batch = build_blocks([it[0] for it in items], [it[1] for it in items], block_size=b,
-                                 num_anchors=num_anchors or cfg.num_anchors, mask_token_id=cfg.mask_token_id,
-                                 gamma=self.gamma, generator=gen, shift=self.shift)
-            with self.autocast:
-                hidden, _ = self.block_hidden(batch, labels=False)
-            labels = batch.labels.to(dev)
-            if self.to_draft is not None:
-                labels = torch.where(labels >= 0, self.to_draft[labels.clamp(min=0)], labels)
-            markov = self.markov_inputs(batch)
-            for row in range(hidden.shape[0]):  # one row's logits at a time (full vocabularies are large)
-                logits = F.linear(hidden[row].to(head.dtype), head).float()  # bf16 head: hidden is fp32
-                if markov is not None:  # teacher-forced: exact up to a block's first wrong draft
-                    logits = logits + markov[0](markov[1][row]).float()
-                y = labels[row]
-                scored = y >= 0  # labelled and (with a draft vocabulary) in it
-                right = (logits.argmax(-1) == y) & scored
-                k = batch.offsets[row].to(dev)
-                ce += torch.bincount(k[scored], F.cross_entropy(logits[scored], y[scored], reduction="none"),
-                                     minlength=b)
-                ce_count += torch.bincount(k[scored], minlength=b).float()
-                hit += torch.bincount(k[right], minlength=b).float()
-                count += torch.bincount(k[y != IGNORE], minlength=b).float()
-                first = 1 - self.shift  # the first block slot that drafts
-                real = (batch.labels[row].view(-1, b)[:, first] != IGNORE).to(dev)  # not a padding block
-                accepted += accepted_lengths(right.view(-1, b)[:, first:])[real].sum()
-                blocks += real.sum()
-        self.drafter.train()
-        return {"tau_blocks": round(float(accepted / blocks.clamp(min=1)), 4), "blocks": int(blocks),
-                "val_ce": [round(x, 4) for x in (ce / ce_count.clamp(min=1)).tolist()[1 - self.shift:]],
-                "val_acc": [round(x, 4) for x in (hit / count.clamp(min=1)).tolist()[1 - self.shift:]]}
+    evaluate_tau = evaluate.decode_tau  # τ in the real decode loop on held-out prompts
+    evaluate_blocks = evaluate.teacher_forced  # teacher-forced block acceptance, per-position CE and accuracy
 
     # ---- checkpoints -----------------------------------------------------------------
 
