@@ -13,11 +13,12 @@ TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # llama.cpp for the benchmark's llamacpp peers, compiled from source (about 10 minutes on 2 cores).
-# Where the CPU reports AMX but the kernel does not enable it, quantized models crash llama.cpp
-# (SIGILL, or a segfault in llama-bench; `blockdraft bench` says so): build without AMX, e.g.
-#   rm -rf build/llama.cpp && make peers LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON \
-#     -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
-LLAMACPP_CMAKE_ARGS ?=
+# On a CPU that reports AMX, llama.cpp's native build dies on quantized files (a protection fault in
+# libggml-cpu's AMX path, or SIGILL where the kernel does not enable AMX): there both builds leave AMX
+# out and keep AVX-512 (the bench names the build that ran). LLAMACPP_CMAKE_ARGS= (empty) forces native.
+NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON
+LLAMACPP_CMAKE_ARGS ?= $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),$(NO_AMX),)
 # llama.cpp's own llama-server (for the llamacpp-dflash bench peer and the cross-engine tests), built once
 # from the llama.cpp source vendored in the pinned llama-cpp-python sdist (~17 minutes on 2 cores).
 LLAMACPP_VERSION := 0.3.36

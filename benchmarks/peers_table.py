@@ -19,7 +19,9 @@ def table(run: Path) -> str:
     rep = json.loads((run / "results.json").read_text())
     rep = next(iter(rep.values())) if "methods" not in rep else rep
     methods = rep["methods"]
-    f32, q4 = (methods.get(k, {}).get("tokens_per_second") for k in ("llamacpp", "llamacpp-q4_1"))
+    # llama.cpp's plain decoding of each file: through llama-cpp-python, else through llama-server
+    f32, q4 = (next((methods[k]["tokens_per_second"] for k in keys if k in methods), None)
+               for keys in (("llamacpp", "llamacpp-server"), ("llamacpp-q4_1", "llamacpp-server-q4_1")))
     lines = ["| method | τ | tokens/s | vs ar | vs llama.cpp F32 | vs llama.cpp Q4_1 |", "|---|---|---|---|---|---|"]
     for name, r in methods.items():
         tps = r["tokens_per_second"]
@@ -30,7 +32,8 @@ def table(run: Path) -> str:
     lines += ["", f"{rep['dataset']}, {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, greedy; "
               f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, {m['weights']} "
               f"({m.get('dtype_reason', 'chosen')}; exact: {m.get('exact')}); llama.cpp on {rep.get('gguf')} and "
-              f"{rep.get('gguf_q4_1')}, build: {rep.get('llamacpp_build', 'not recorded')}"]
+              f"{rep.get('gguf_q4_1')}, build: "
+              f"{rep.get('llamacpp_build') or (rep.get('llama_server') or {}).get('build', 'not recorded')}"]
     return "\n".join(lines)
 
 

@@ -99,6 +99,8 @@ register(Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B -
                 default_block=5))
 register(Method("llamacpp-server", "llama.cpp's llama-server, plain decoding (`make llama-server`)", peer=True,
                 speculative=False))
+register(Method("llamacpp-server-q4_1", "llama-server on the default target's original Q4_1 GGUF, plain decoding",
+                peer=True, speculative=False))
 register(Method("llamacpp-dflash", "llama-server's own DFlash with our drafter as GGUF (B - 1 drafts per step)",
                 peer=True, drafter="dflash"))
 

@@ -13,6 +13,7 @@ different, equally distributed, samples.)
 """
 
 import pytest
+import torch
 
 from blockdraft.bench.llama_server import BUILD_HINT, LlamaServer, drafter_gguf, find_llama_server
 from blockdraft.draft import DFlashDrafter
@@ -51,7 +52,8 @@ def pair(request, tmp_path_factory, target_gguf):
         # the shipped drafter's Markov head removed, or a rank-32 one added
         rank = 0 if DFlashDrafter.load(folder).config.markov_rank else 32
         folder = drafter_with_markov_rank(folder, rank, tmp_path_factory.mktemp("drafter") / "toggled")
-    engine = Engine.load(draft=folder, draft_weights="float")  # fp32 drafter, as the F32 GGUF drafter
+    # fp32 target and drafter, as the F32 GGUF files (`auto` may pick bf16 on this CPU)
+    engine = Engine.load(draft=folder, draft_weights="float", dtype=torch.float32)
     block = engine.drafter_for("dflash").config.block_size
     drafter = drafter_gguf(folder, target_gguf, "F32")
     with LlamaServer(target_gguf, drafter=drafter, draft_max=block - 1, threads=1) as server:
@@ -63,7 +65,7 @@ def pair(request, tmp_path_factory, target_gguf):
 def test_llama_server_plain_greedy_equals_ours(plain):
     from blockdraft import Engine
 
-    engine = Engine.load(use_draft=False)
+    engine = Engine.load(use_draft=False, dtype=torch.float32)
     for prompt in PROMPTS:
         ids = engine.encode(prompt, chat=True)
         ours = engine.generate(ids, method="ar", max_new_tokens=NEW)
@@ -85,3 +87,30 @@ def test_llama_cpp_dflash_with_our_drafter_is_lossless_and_accepts_what_our_loop
         # step for step; llama.cpp's last step may be cut by n_predict where ours is cut too
         n = min(len(lengths), len(ours.acceptance_lengths)) - 1
         assert n > 5 and lengths[:n] == ours.acceptance_lengths[:n]
+
+
+def test_the_bench_runs_llama_server_on_each_file_and_names_the_files_and_the_build(tmp_path):
+    """One bench run holds llama.cpp's plain decoding of the F32 file and of the original Q4_1 file
+    (`llamacpp-server`, `llamacpp-server-q4_1`) beside ours, each server on its own file, and the
+    report names both files and the CPU features of the llama.cpp build that ran."""
+    from blockdraft import Engine
+    from blockdraft.bench.peers import Peers
+    from blockdraft.bench.runner import bench_command
+
+    engine = Engine.load(use_draft=False, dtype=torch.float32)
+    (tmp_path / "p.jsonl").write_text('{"turns": ["%s"]}\n' % PROMPTS[0])
+    reports = bench_command(engine, dataset=None, prompts_file=str(tmp_path / "p.jsonl"), max_samples=None,
+                            methods=["ar", "llamacpp-server", "llamacpp-server-q4_1"], max_new_tokens=8,
+                            temperature=0.0, out=str(tmp_path / "out"))
+    report = next(iter(reports.values()))
+    assert report["gguf"].endswith("F32.gguf (F32)") and report["gguf_q4_1"].endswith("Q4_1.gguf (Q4_1)")
+    assert "AVX" in report["llama_server"]["build"]
+    assert set(report["methods"]) == {"ar", "llamacpp-server", "llamacpp-server-q4_1"}
+    peers = Peers(engine)
+    try:
+        for kind in ("llamacpp-server", "llamacpp-server-q4_1"):
+            peers.generate(kind, 1, engine.encode(PROMPTS[0], chat=True), max_new_tokens=2, temperature=0.0, seed=0)
+        files = sorted(runner.path.name for runner in peers._servers.values())
+        assert files == ["SmolLM2-135M-Instruct.F32.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    finally:
+        peers.close()

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native step 
 VARIANTS = {
     "llama": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
-    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 32}),
+    "qwen3-qk-norm-head-16": ("qwen3", {}),
     "mistral-window": ("mistral", {"sliding_window": 6}),
     "llama-head-32": ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1}),
 }

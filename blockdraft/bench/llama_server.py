@@ -181,11 +181,17 @@ def drafter_gguf(drafter: str | Path, target_gguf: str | Path, weight_type: str 
 
 
 def describe(path: str | Path) -> dict:
-    """The binary and its version line, for reports."""
-    try:
-        out = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30)
-        version = (out.stdout + out.stderr).strip().splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        version = []
-    return {"binary": str(path), "version": next((v for v in version if "version" in v), "")}
+    """The binary, its version line and the CPU features it was built for (its "system_info"
+    line, which it logs at debug verbosity before loading a model: here a missing one), for reports."""
+    def run(*args):
+        try:
+            out = subprocess.run([str(path), *args], capture_output=True, text=True, timeout=30)
+            return (out.stdout + out.stderr).strip().splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+
+    info = next((line.split("system_info:", 1)[1] for line in run("-lv", "4", "-m", "/nonexistent.gguf", "--port", "0")
+                 if "system_info:" in line), "")
+    return {"binary": str(path), "version": next((v for v in run("--version") if "version" in v), ""),
+            "build": info.split("|", 1)[-1].strip() if info else "not recorded"}
 

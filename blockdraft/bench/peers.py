@@ -197,7 +197,7 @@ class LlamaCppRunner:
                        lookup_tokens + 1)
 
 
-SERVER_PEERS = ("llamacpp-server", "llamacpp-dflash")
+SERVER_PEERS = ("llamacpp-server", "llamacpp-server-q4_1", "llamacpp-dflash")
 
 
 class LlamaServerRunner:
@@ -252,7 +252,8 @@ class Peers:
     def __init__(self, engine, gguf: str | Path | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False)):
         self.engine, self.gguf = engine, gguf
         self.llamacpp_draft = llamacpp_draft  # llamacpp-dflash: (drafter GGUF weight type, full vocabulary)
-        self._hf = self._llamacpp = self._server = self._llamacpp_q4 = None
+        self._hf = self._llamacpp = self._llamacpp_q4 = None
+        self._servers: dict[str, LlamaServerRunner] = {}  # per GGUF file
 
     def check(self, kinds):
         """Fail early (before any generation) when a peer cannot run here."""
@@ -264,15 +265,17 @@ class Peers:
             raise BlockdraftError(LLAMACPP_HINT)
 
     def close(self):
-        if self._server is not None:
-            self._server.close()
+        for runner in self._servers.values():
+            runner.close()
 
     def generate(self, kind: str, block: int, ids: list[int], **kwargs) -> Generation:
         lookup = block - 1 if kind.endswith("-lookup") else 0
         if kind in SERVER_PEERS:
-            if self._server is None:
-                self._server = LlamaServerRunner(self.engine, self.gguf, *self.llamacpp_draft)
-            return self._server.generate(ids, draft_max=block - 1 if kind == "llamacpp-dflash" else 0, **kwargs)
+            gguf = q4_1_gguf(self.engine) if kind == "llamacpp-server-q4_1" else self.gguf
+            runner = self._servers.get(str(gguf))
+            if runner is None:
+                runner = self._servers[str(gguf)] = LlamaServerRunner(self.engine, gguf, *self.llamacpp_draft)
+            return runner.generate(ids, draft_max=block - 1 if kind == "llamacpp-dflash" else 0, **kwargs)
         if kind == "llamacpp-q4_1":
             if self._llamacpp_q4 is None:
                 self._llamacpp_q4 = LlamaCppRunner(self.engine, q4_1_gguf(self.engine))

@@ -284,10 +284,12 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
         if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
             from .peers import LlamaCppRunner, llamacpp_build, q4_1_gguf
 
+            kinds = [registry.parse(m, include_peers=True)[0].name for m in methods]
             report["gguf"] = LlamaCppRunner.describe(engine, gguf)
-            if "llamacpp-q4_1" in [registry.parse(m, include_peers=True)[0].name for m in methods]:
+            if {"llamacpp-q4_1", "llamacpp-server-q4_1"} & set(kinds):
                 report["gguf_q4_1"] = LlamaCppRunner.describe(engine, q4_1_gguf(engine))
-            report["llamacpp_build"] = llamacpp_build()
+            if any(k.startswith("llamacpp") and k not in SERVER_PEERS for k in kinds):
+                report["llamacpp_build"] = llamacpp_build()
         if any(registry.parse(m, include_peers=True)[0].name in SERVER_PEERS for m in methods):
             from .llama_server import describe, find_llama_server
 

@@ -70,8 +70,30 @@ void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, fl
 }
 
 // q/k norm (Qwen3) and rotary embedding of one head in place: x[i] * cos[i] + x[(i + D/2) % D] * sin[i]
-// (the sin table carries the sign of the rotation), rounded once
+// (the sin table carries the sign of the rotation), rounded once; 16 lanes at a time where D/2 is a
+// multiple of 16, else one value at a time (a model always takes the same path)
 void rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps) {
+    if (d % 32 == 0 && d <= 512) {
+        const int64_t C = d / 16;
+        __m512 v[32];
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+            v[c] = load16(x + 16 * c);
+            ss = _mm512_fmadd_ps(v[c], v[c], ss);
+        }
+        if (norm != nullptr) {
+            const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+            for (int64_t c = 0; c < C; ++c) {  // bf16(norm * bf16(x * inv)), as the eager RMSNorm rounds
+                const __m512 scaled = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(v[c], inv)));
+                v[c] = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(load16(norm + 16 * c), scaled)));
+            }
+        }
+        for (int64_t c = 0; c < C; ++c) {
+            const __m512 r = _mm512_mul_ps(v[(c + C / 2) % C], _mm512_loadu_ps(sin + 16 * c));
+            store16(x + 16 * c, _mm512_fmadd_ps(v[c], _mm512_loadu_ps(cos + 16 * c), r));
+        }
+        return;
+    }
     float v[512];
     for (int64_t i = 0; i < d; ++i) v[i] = f(x[i]);
     if (norm != nullptr) {
@@ -122,10 +144,65 @@ void silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
     }
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple of 16, fixed order
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+// Attention of G query heads q [G, D] (fp32) that share one KV head, over the n cache slots `vis` (in that
+// order) of k/v [slots, D]: out [G, D] (bf16). Per head: scores (a dot product in one order), softmax
+// (max, e^(s - max), their sum in order), the probability-weighted sum of values in order. C = D / 16.
+template <int C>
+void attend_heads(const float* q, const float* k, const float* v, const int32_t* vis, int64_t n, int64_t G,
+                  float scale, float* score, bf16* out) {
+    constexpr int64_t D = 16 * C;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {  // up to four heads at a time: each key and value read once for them
+        const int64_t heads = std::min<int64_t>(4, G - g0);
+        __m512 qv[4][C];
+        for (int64_t g = 0; g < heads; ++g)
+            for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + (g0 + g) * D + 16 * c);
+        float top[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (int64_t j = 0; j < n; ++j) {
+            const float* kj = k + static_cast<int64_t>(vis[j]) * D;
+            __m512 kv[C];
+            for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kj + 16 * c);
+            for (int64_t g = 0; g < heads; ++g) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+                const float s = _mm512_reduce_add_ps(acc) * scale;
+                score[g * n + j] = s;
+                top[g] = std::max(top[g], s);
+            }
+        }
+        float inv[4];
+        for (int64_t g = 0; g < heads; ++g) {
+            exp_shifted(score + g * n, n, top[g]);
+            float sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) sum += score[g * n + j];
+            inv[g] = n ? 1.0f / sum : 0.f;
+        }
+        __m512 acc[4][C];
+        for (int64_t g = 0; g < heads; ++g)
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+            const float* vj = v + static_cast<int64_t>(vis[j]) * D;
+            __m512 vv[C];
+            for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+            for (int64_t g = 0; g < heads; ++g) {
+                const __m512 p = _mm512_set1_ps(score[g * n + j]);
+                for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < heads; ++g)
+            for (int c = 0; c < C; ++c)
+                store16(out + (g0 + g) * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+    }
+}
+
+void attend(const float* q, const float* k, const float* v, const int32_t* vis, int64_t n, int64_t G, int64_t D,
+            float scale, float* score, bf16* out) {
+    switch (D / 16) {
+        case 4: attend_heads<4>(q, k, v, vis, n, G, scale, score, out); break;
+        case 8: attend_heads<8>(q, k, v, vis, n, G, scale, score, out); break;
+        case 2: attend_heads<2>(q, k, v, vis, n, G, scale, score, out); break;
+        case 1: attend_heads<1>(q, k, v, vis, n, G, scale, score, out); break;
+        default: TORCH_CHECK(false, "head_dim ", D, ": the native step runs 16, 32, 64 and 128");
+    }
 }
 
 }  // namespace
@@ -226,40 +303,15 @@ std::vector<torch::Tensor> llama_forward(
                 for (int64_t j = 0; j < D; ++j) kd[j] = f(k[j]), vd[j] = f(v[j]);
             }
         }
-        // attention: one task per (token, KV head), its G query heads in turn over the visible slots
+        // attention: one task per (token, KV head), its G query heads together over the visible slots
         at::parallel_for(0, R * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-            std::vector<float> score(std::max<int64_t>(most, 1));
-            float q[512], out[512];
+            std::vector<float> score(std::max<int64_t>(most, 1) * G), q(G * D);
             for (int64_t task = t0; task < t1; ++task) {
                 const int64_t i = task / kv_heads, h = task % kv_heads, b = i / T;
-                const float* kbase = kl + ((row0 + b) * kv_heads + h) * S * D;
-                const float* vbase = vl + ((row0 + b) * kv_heads + h) * S * D;
-                const int32_t* vis = seen.data() + start[i];
-                const int64_t n = start[i + 1] - start[i];
-                for (int64_t g = 0; g < G; ++g) {
-                    const int64_t head = h * G + g;
-                    const bf16* qh = qp + i * NQKV + head * D;
-                    for (int64_t j = 0; j < D; ++j) q[j] = f(qh[j]);
-                    float top = -INFINITY;
-                    for (int64_t j = 0; j < n; ++j) {
-                        score[j] = dot(q, kbase + vis[j] * D, D) * scale;
-                        top = std::max(top, score[j]);
-                    }
-                    exp_shifted(score.data(), n, top);
-                    float sum = 0.f;
-                    for (int64_t j = 0; j < n; ++j) sum += score[j];
-                    __m512 acc[32];
-                    for (int64_t c = 0; c < D / 16; ++c) acc[c] = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < n; ++j) {
-                        const __m512 p = _mm512_set1_ps(score[j]);
-                        const float* v = vbase + vis[j] * D;
-                        for (int64_t c = 0; c < D / 16; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
-                    }
-                    const float inv = n ? 1.0f / sum : 0.f;
-                    for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
-                    bf16* o = ap + i * NQ + head * D;
-                    for (int64_t j = 0; j < D; ++j) o[j] = bf16(out[j] * inv);
-                }
+                const int64_t cache_row = ((row0 + b) * kv_heads + h) * S * D;
+                for (int64_t j = 0; j < G * D; ++j) q[j] = f(qp[i * NQKV + h * G * D + j]);
+                attend(q.data(), kl + cache_row, vl + cache_row, seen.data() + start[i], start[i + 1] - start[i],
+                       G, D, scale, score.data(), ap + i * NQ + h * G * D);
             }
         });
         blockdraft::product_bf16(ap, w.o_w, w.o_b, tp, R, NQ, H);

@@ -38,7 +38,7 @@ def unsupported(model) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.bfloat16:
         return "bf16 on a CPU only"
     cfg = model.config
-    if cfg.rotary_dim != cfg.head_dim or cfg.head_dim % 16 or cfg.head_dim > 512:
+    if cfg.rotary_dim != cfg.head_dim or cfg.head_dim not in (16, 32, 64, 128):
         return f"head shape {cfg.head_dim} (rotary {cfg.rotary_dim})"
     for layer in model.model.layers:
         if type(layer) is not DecoderLayer:
