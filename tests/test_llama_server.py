@@ -12,6 +12,8 @@ path draws its random numbers in another order than its plain path, so one seed 
 different, equally distributed, samples.)
 """
 
+import json
+
 import pytest
 import torch
 
@@ -98,7 +100,7 @@ def test_the_bench_runs_llama_server_on_each_file_and_names_the_files_and_the_bu
     from blockdraft.bench.runner import bench_command
 
     engine = Engine.load(use_draft=False, dtype=torch.float32)
-    (tmp_path / "p.jsonl").write_text('{"turns": ["%s"]}\n' % PROMPTS[0])
+    (tmp_path / "p.jsonl").write_text(json.dumps({"turns": [PROMPTS[0]]}) + "\n")
     reports = bench_command(engine, dataset=None, prompts_file=str(tmp_path / "p.jsonl"), max_samples=None,
                             methods=["ar", "llamacpp-server", "llamacpp-server-q4_1"], max_new_tokens=8,
                             temperature=0.0, out=str(tmp_path / "out"))
