@@ -42,6 +42,20 @@ def forwards(model, ids, capture):
     return out, cache
 
 
+@pytest.mark.parametrize("shape", [(13, 70), (960, 576), (4, 32), (7, 33)])
+def test_the_packed_product_is_the_plain_one_bit_for_bit(shape):
+    """The fused step's products read weights packed by `native.pack` (tiles of 4 rows, steps of 32,
+    zero-padded): the same sums in the same order as the row-independent kernel's, for any shape."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    packed = native.pack(w)
+    for rows in (1, 3, 4, 9, 16):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        for bias in (None, b):
+            assert torch.equal(native.module().linear_packed(x, packed, bias, n), native.linear(x, w, bias))
+
+
 def error(got, ref):
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 

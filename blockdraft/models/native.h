@@ -8,6 +8,10 @@ namespace blockdraft {
 void product_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,
                   int64_t R, int64_t K, int64_t N);
 
+// The same from a weight packed by `native.pack`: [ceil(N/4), ceil(K/32), 4, 32], zero-padded.
+void product_packed(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat16* b, at::BFloat16* y,
+                    int64_t R, int64_t K, int64_t N);
+
 }  // namespace blockdraft
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
@@ -16,4 +20,4 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor visible, int64_t window,
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin,
     std::vector<torch::Tensor> weights, torch::Tensor final_norm, std::vector<int64_t> capture, int64_t last,
-    bool final_hidden, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim);
+    bool final_hidden, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate);

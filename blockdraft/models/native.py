@@ -83,6 +83,14 @@ def available() -> bool:
     return module() is not None
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in the layout the fused step's products read in address order:
+    [ceil(N/4), ceil(K/32), 4, 32], zero-padded (`native_linear.cpp`, `product_packed`)."""
+    n, k = weight.shape
+    w = torch.nn.functional.pad(weight.detach(), (0, -k % 32, 0, -n % 4))
+    return w.view(w.shape[0] // 4, 4, w.shape[1] // 32, 32).transpose(1, 2).contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, K] @ weight[N, K].T (+ bias), bf16, row-independent."""
     return module().linear_bf16(x, weight, bias)

@@ -80,7 +80,66 @@ inline void rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat1
     }
 }
 
+// The same products from a weight packed by `native.pack` ([N/4 tiles][K/32 steps][4 rows][32 values],
+// zero-padded): a tile's weights are read strictly in address order, which the hardware prefetcher
+// follows better than four interleaved rows (one row of input: ~30 % faster on a 2-core AMD EPYC).
+template <int NR>
+inline void block_packed(const at::BFloat16* x, const at::BFloat16* tile, const at::BFloat16* b, at::BFloat16* y,
+                         int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t valid) {
+    __m512 acc[NR][TILE];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE; ++j) acc[i][j] = _mm512_setzero_ps();
+    const int64_t whole = K / 32;
+    for (int64_t s = 0; s < whole; ++s) {  // whole steps of 32: plain loads
+        const at::BFloat16* ws = tile + s * 32 * TILE;
+        __m512bh wv[TILE];
+#pragma GCC unroll 4
+        for (int j = 0; j < TILE; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(ws + 32 * j);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + i) * K + 32 * s);
+#pragma GCC unroll 4
+            for (int j = 0; j < TILE; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    if (whole * 32 < K) {  // the last partial step: x masked, the packed weight zero-padded
+        const at::BFloat16* ws = tile + whole * 32 * TILE;
+        for (int i = 0; i < NR; ++i) {
+            const __m512bh xv = load_bf16(x + (r0 + i) * K + 32 * whole, K - 32 * whole);
+            for (int j = 0; j < TILE; ++j)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)_mm512_loadu_si512(ws + 32 * j));
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int64_t j = 0; j < valid; ++j) {
+            float v = _mm512_reduce_add_ps(acc[i][j]);
+            if (b != nullptr) v += static_cast<float>(b[n0 + j]);
+            y[(r0 + i) * N + n0 + j] = at::BFloat16(v);
+        }
+}
+
 }  // namespace
+
+void blockdraft::product_packed(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat16* b,
+                                at::BFloat16* y, int64_t R, int64_t K, int64_t N) {
+    const int64_t tiles = (N + TILE - 1) / TILE, steps = (K + 31) / 32;
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const at::BFloat16* tile = wp + t * steps * 32 * TILE;
+            const int64_t n0 = t * TILE, valid = std::min(TILE, N - n0);
+            int64_t r0 = 0;
+            for (; r0 + GROUP <= R; r0 += GROUP) block_packed<GROUP>(x, tile, b, y, K, N, r0, n0, valid);
+            switch (R - r0) {
+                case 3: block_packed<3>(x, tile, b, y, K, N, r0, n0, valid); break;
+                case 2: block_packed<2>(x, tile, b, y, K, N, r0, n0, valid); break;
+                case 1: block_packed<1>(x, tile, b, y, K, N, r0, n0, valid); break;
+                default: break;
+            }
+        }
+    });
+}
 
 void blockdraft::product_bf16(const at::BFloat16* xp, const at::BFloat16* wp, const at::BFloat16* bp,
                               at::BFloat16* yp, int64_t R, int64_t K, int64_t N) {
@@ -115,7 +174,22 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     return y;
 }
 
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.dim() == 2, "bf16 x [R, K]");
+    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + TILE - 1) / TILE && packed.size(1) == (x.size(1) + 31) / 32 &&
+                    packed.size(2) == TILE && packed.size(3) == 32 && packed.is_contiguous(), "a weight from native.pack");
+    x = x.contiguous();
+    auto y = torch::empty({x.size(0), N}, x.options());
+    torch::Tensor b;
+    if (bias.has_value() && bias->defined()) b = bias->to(at::kBFloat16).contiguous();
+    blockdraft::product_packed(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
+                               b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+                               x.size(0), x.size(1), N);
+    return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("linear_packed", &linear_packed, "linear_bf16 from a weight packed by native.pack");
     m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");
     m.def("llama_forward", &llama_forward, "a whole cached forward of a Llama-family target, row-independent");
 }

@@ -211,7 +211,7 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor visible, int64_t window,
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin,
     std::vector<torch::Tensor> weights, torch::Tensor final_norm, std::vector<int64_t> capture, int64_t last,
-    bool final_hidden, double eps_, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+    bool final_hidden, double eps_, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(), "x: [B, T, H] bf16");
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
                     k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: [L, B, KV, S, D] fp32");
@@ -260,7 +260,7 @@ std::vector<torch::Tensor> llama_forward(
         for (size_t j = 0; j < PER_LAYER; ++j)
             TORCH_CHECK(!w[j].numel() || (w[j].scalar_type() == at::kBFloat16 && w[j].is_contiguous()), "bf16 weights");
         layers[l] = {opt(w[0]), opt(w[1]), opt(w[2]), opt(w[3]), opt(w[4]), opt(w[5]), opt(w[6]), opt(w[7]),
-                     opt(w[8]), opt(w[9]), opt(w[10]), opt(w[11]), w[10].size(1)};
+                     opt(w[8]), opt(w[9]), opt(w[10]), opt(w[11]), intermediate};
     }
     const int64_t NQ = heads * D, NQKV = (heads + 2 * kv_heads) * D;
     int64_t inter = 0;
@@ -286,7 +286,7 @@ std::vector<torch::Tensor> llama_forward(
         float* kl = kc + l * layer_stride;
         float* vl = vc + l * layer_stride;
         rms_norm(hp, w.ln1, np, R, H, eps);
-        blockdraft::product_bf16(np, w.qkv_w, w.qkv_b, qp, R, H, NQKV);
+        blockdraft::product_packed(np, w.qkv_w, w.qkv_b, qp, R, H, NQKV);
         // rotary (and q/k norms), then this call's keys and values into their cache slots
         for (int64_t i = 0; i < R; ++i) {
             const int64_t b = i / T;
@@ -314,13 +314,13 @@ std::vector<torch::Tensor> llama_forward(
                        G, D, scale, score.data(), ap + i * NQ + h * G * D);
             }
         });
-        blockdraft::product_bf16(ap, w.o_w, w.o_b, tp, R, NQ, H);
+        blockdraft::product_packed(ap, w.o_w, w.o_b, tp, R, NQ, H);
         add(hp, tp, R * H);
         rms_norm(hp, w.ln2, np, R, H, eps);
         const int64_t I = w.inter;
-        blockdraft::product_bf16(np, w.gu_w, w.gu_b, gp, R, H, 2 * I);
+        blockdraft::product_packed(np, w.gu_w, w.gu_b, gp, R, H, 2 * I);
         for (int64_t i = 0; i < R; ++i) silu_mul(gp + i * 2 * I, gp + i * 2 * I + I, cp + i * I, I);
-        blockdraft::product_bf16(cp, w.down_w, w.down_b, tp, R, I, H);
+        blockdraft::product_packed(cp, w.down_w, w.down_b, tp, R, I, H);
         add(hp, tp, R * H);
         for (size_t c = 0; c < capture.size(); ++c)
             if (capture[c] == l) {

@@ -60,7 +60,9 @@ class NativeStep:
         self._weights: list[torch.Tensor] | None = None
 
     def weights(self) -> list[torch.Tensor]:
-        """Each layer's 12 tensors in the order `llama_forward` reads them (empty: absent)."""
+        """Each layer's 12 tensors in the order `llama_forward` reads them (empty: absent), the
+        products' weights packed once (`native.pack`: a copy, so a target in this step holds its
+        layers' weights twice; they are not expected to change after load)."""
         if self._weights is None:
             none = torch.empty(0, dtype=torch.bfloat16)
 
@@ -70,11 +72,11 @@ class NativeStep:
             out = []
             for layer in self.model.model.layers:
                 a, m = layer.self_attn, layer.mlp
-                out += [t(layer.input_layernorm.weight), t(a.qkv_proj.weight), t(a.qkv_proj.bias),
+                out += [t(layer.input_layernorm.weight), native.pack(a.qkv_proj.weight), t(a.qkv_proj.bias),
                         t(a.q_norm.weight if a.q_norm is not None else None),
-                        t(a.k_norm.weight if a.k_norm is not None else None), t(a.o_proj.weight), t(a.o_proj.bias),
-                        t(layer.post_attention_layernorm.weight), t(m.gate_up_proj.weight), t(m.gate_up_proj.bias),
-                        t(m.down_proj.weight), t(m.down_proj.bias)]
+                        t(a.k_norm.weight if a.k_norm is not None else None), native.pack(a.o_proj.weight),
+                        t(a.o_proj.bias), t(layer.post_attention_layernorm.weight), native.pack(m.gate_up_proj.weight),
+                        t(m.gate_up_proj.bias), native.pack(m.down_proj.weight), t(m.down_proj.bias)]
             self._weights = out
         return self._weights
 
@@ -93,7 +95,8 @@ class NativeStep:
         hidden, features = native.module().llama_forward(
             x, positions, slots, visible, window, cache.k, cache.v, rows.start or 0, model.rotary.cos,
             model.rotary.sin, self.weights(), model.model.norm.weight.detach(), list(capture), last,
-            not features_only, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            not features_only, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size)
         return (None if features_only else hidden), (features if capture else None)
 
 
