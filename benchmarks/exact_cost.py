@@ -44,19 +44,22 @@ def load(dt: str, ex: bool, step: str):
 
 def parts(e, widths, repeats: int) -> dict:
     """Median ms of the fused step's products alone at each width: every layer weight by W rows
-    through the native kernel, and the LM head through its exact kernel."""
+    through the native kernel on the step's packed copies, and the LM head through its exact kernel."""
     from blockdraft.models import native
 
-    weights = [w for layer in native_step_weights(e.target) for w in layer]
+    packed = [p for i, p in enumerate(e.target.native_step.weights()) if i % 12 in (1, 5, 8, 10)]
+    plain = [w for layer in e.target.model.layers
+             for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                       layer.mlp.down_proj.weight)]
     out = {}
     for w in widths:
-        xs = {k: torch.randn(w, k).to(torch.bfloat16) for k in {t.shape[1] for t in weights}}
+        xs = {k: torch.randn(w, k).to(torch.bfloat16) for k in {t.shape[1] for t in plain}}
         head = torch.randn(w, e.target.config.hidden_size).to(torch.bfloat16)
         layers, lm = [], []
         for i in range(repeats + 1):
             t = time.perf_counter()
-            for weight in weights:
-                native.linear(xs[weight.shape[1]], weight)
+            for pack, weight in zip(packed, plain, strict=True):
+                native.module().linear_packed(xs[weight.shape[1]], pack, None, weight.shape[0])
             t1 = time.perf_counter()
             e.target.logits(head)
             if i:
@@ -65,11 +68,6 @@ def parts(e, widths, repeats: int) -> dict:
         out[f"products {w}"] = round(statistics.median(layers) * 1e3, 3)
         out[f"lm head {w}"] = round(statistics.median(lm) * 1e3, 3)
     return out
-
-
-def native_step_weights(model):
-    a = [(layer.self_attn, layer.mlp) for layer in model.model.layers]
-    return [[x.qkv_proj.weight, x.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight] for x, m in a]
 
 
 def measure(args) -> None:
@@ -88,7 +86,9 @@ def measure(args) -> None:
             if not e.target.attention_chunk:  # the fastest kernels measure and pack on first use
                 e.target.warm_up(16)
         fused = {}
+        bandwidths = []  # the machine's read bandwidth moves with its neighbours: sampled every round
         for _ in range(args.rounds):  # interleaved, so that drift hits every configuration alike
+            bandwidths.append(read_bandwidth())
             for (dt, ex, step), e in engines.items():
                 for w in WIDTHS:
                     toks = torch.randint(0, e.target.config.vocab_size, (1, w))
@@ -102,11 +102,12 @@ def measure(args) -> None:
                 if e.target.native_step is not None:
                     for k, v in parts(e, WIDTHS, args.repeats).items():
                         fused.setdefault(k, []).append(v)
-    bandwidth = read_bandwidth()
+    bandwidth = statistics.median(bandwidths)
     floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex, _), e in engines.items() if ex}
     out = {"machine": {"processor": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "flags": cpu_flags(), "bf16_speedup": bf16_speedup(),
-                       "read_gb_per_s": round(bandwidth / 1e9, 1)},
+                       "read_gb_per_s": round(bandwidth / 1e9, 1),
+                       "read_gb_per_s_rounds": [round(b / 1e9, 1) for b in bandwidths]},
            "floor_ms": floor,
            "kernels": {config_name(*c): (getattr(e.target, "exactness", None) or {}).get("kernels", {})
                        for c, e in engines.items()},
@@ -160,7 +161,10 @@ def table_of(res: dict) -> str:
         lines.append(f"| {name.removesuffix(', eager step')} | {step} | {'yes' if exact else 'no'} | "
                      + " | ".join(cells) + " |")
     if res.get("floor_ms"):
-        lines += ["", f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB): "
+        spread = m.get("read_gb_per_s_rounds")
+        spread = f", {min(spread)} to {max(spread)} over the rounds" if spread else ""
+        lines += ["", f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB, median"
+                  f"{spread}): "
                   + ", ".join(f"{ms_:.1f} ms in {dt} (a plain exact step is {ms[f'{dt} exact 1'] / ms_:.1f}x that)"
                               for dt, ms_ in res["floor_ms"].items())
                   + ". Exact kernels: " + "; ".join(f"{k}: " + ", ".join(f"{n} {c}" for n, c in v.items())
@@ -169,8 +173,8 @@ def table_of(res: dict) -> str:
     name = next((n for n, s in steps.items() if s == "native"), None)
     if fused and name:
         lines += ["", "Where the fused step's time goes, ms (median): its layers' products alone (each weight by "
-                  "W rows through the native kernel), the LM head, and the rest (norms, rotary, attention, "
-                  "activations, the call)", "",
+                  "W rows through the native kernel from its packed copy, one call each), the LM head, and the rest "
+                  "(norms, rotary, attention, activations, the call; less the products' own call overhead)", "",
                   "| part | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |", "|---|" + "---|" * len(WIDTHS)]
         rows = {"layer products": [fused[f"products {w}"] for w in WIDTHS],
                 "LM head": [fused[f"lm head {w}"] for w in WIDTHS]}

@@ -2,7 +2,7 @@
 of every method, against `ar` and against llama.cpp's plain decoding of each file, with the machine,
 the dtype that ran (and why), the two GGUF files and the llama.cpp build named under the table.
 
-    .venv/bin/python benchmarks/peers_table.py bench-results/cpu-amd-llamacpp-20261207 --doc docs/llamacpp.md
+    .venv/bin/python benchmarks/peers_table.py bench-results/cpu-amd-bf16-llamacpp-20261207 --doc docs/llamacpp.md
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def table(run: Path) -> str:
     m = rep["machine"]
     lines += ["", f"{rep['dataset']}, {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, greedy; "
               f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, {m['weights']} "
-              f"({m.get('dtype_reason', 'chosen')}; exact: {m.get('exact')}); llama.cpp on {rep.get('gguf')} and "
+              f"({m.get('dtype_reason', 'chosen')}; exact: {m.get('exact')}; step: {m.get('step', 'eager')}); llama.cpp on {rep.get('gguf')} and "
               f"{rep.get('gguf_q4_1')}, build: "
               f"{rep.get('llamacpp_build') or (rep.get('llama_server') or {}).get('build', 'not recorded')}"]
     return "\n".join(lines)
