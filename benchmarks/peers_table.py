@@ -31,7 +31,8 @@ def table(run: Path) -> str:
     m = rep["machine"]
     lines += ["", f"{rep['dataset']}, {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, greedy; "
               f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, {m['weights']} "
-              f"({m.get('dtype_reason', 'chosen')}; exact: {m.get('exact')}; step: {m.get('step', 'eager')}); llama.cpp on {rep.get('gguf')} and "
+              f"({m.get('dtype_reason', 'chosen')}; exact: {m.get('exact')}; step: {m.get('step', 'eager')}); "
+              f"llama.cpp on {rep.get('gguf')} and "
               f"{rep.get('gguf_q4_1')}, build: "
               f"{rep.get('llamacpp_build') or (rep.get('llama_server') or {}).get('build', 'not recorded')}"]
     return "\n".join(lines)
