@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/load_test.py                       # dflash adaptive vs fixed vs ar
     .venv/bin/python benchmarks/load_test.py --concurrency 1,4 --requests 8 --max-tokens 64
-    .venv/bin/python benchmarks/load_test.py --table-from bench-results/load-test/load_test.json --doc docs/history/measured-benchmarks.md
+    .venv/bin/python benchmarks/load_test.py --table-from bench-results/load-test/load_test.json \
+        --doc docs/history/measured-benchmarks.md
 
 For each server configuration a fresh server process is started on 127.0.0.1 and
 the same MT-Bench first-turn prompts are sent by `c` concurrent streaming clients

@@ -51,3 +51,9 @@ def test_a_docs_table_is_what_its_command_writes_today(tmp_path, page, words):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert copy.read_text() == target.read_text(), f"{page.name}: `{' '.join(words)}` writes another table today"
+
+
+def test_every_docs_page_is_at_most_300_lines():
+    """Reference pages stay readable; superseded runs go to dated pages under docs/history/."""
+    long = {str(p.relative_to(ROOT)): n for p in PAGES if (n := len(p.read_text().splitlines())) > 300}
+    assert long == {}

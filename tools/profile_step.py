@@ -1,4 +1,4 @@
-"""Where one decode step of the target goes, per op (the profiles quoted in docs/history/measured-engine.md, "Against llama.cpp").
+"""Where one decode step of the target goes, per op (profiles quoted in docs/history/measured-engine.md).
 
 Runs `--method ar` (or another method) on one chat prompt under torch's profiler and prints,
 per step: wall time, the time inside ops, op calls, and the ops sorted by self time.
