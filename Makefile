@@ -53,6 +53,7 @@ demo: prepare
 # Lint first (seconds): ruff with the rules in pyproject.toml
 lint: install
 	$(VENV)/bin/ruff check blockdraft tests benchmarks tools
+	$(VENV)/bin/ruff format --check blockdraft tests benchmarks tools
 
 test: prepare lint
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)

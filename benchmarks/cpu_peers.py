@@ -41,7 +41,7 @@ def verify_costs(engine, sizes=(1, 2, 4, 8, 16), repeats=15) -> dict[int, float]
             for _ in range(repeats):
                 pos = torch.arange(ctx, ctx + b)[None]
                 t0 = time.perf_counter()
-                hidden, _ = target(tokens[:, ctx:ctx + b], pos, cache)
+                hidden, _ = target(tokens[:, ctx : ctx + b], pos, cache)
                 target.logits(hidden)
                 runs.append(time.perf_counter() - t0)
             times[b] = statistics.median(runs)
@@ -62,7 +62,7 @@ def main():
     if llamacpp_available():
         runs["llama.cpp F32"] = (fp32, LlamaCppRunner(fp32, default_f32_gguf()))
         runs["llama.cpp Q4_1"] = (q4, LlamaCppRunner(q4, gguf_path()))
-    records = (load_prompts("humaneval", None, args.prompts, True) + load_prompts("mtbench", None, args.prompts, True))
+    records = load_prompts("humaneval", None, args.prompts, True) + load_prompts("mtbench", None, args.prompts, True)
 
     def generate(engine, peer, ids, n):
         if peer is None:
@@ -85,25 +85,42 @@ def main():
             same["llama.cpp Q4_1"] += outs.get("llama.cpp Q4_1") == outs["ar q4_1"]
     n = len(records) * args.repeats
     medians = {name: statistics.median(v) for name, v in tps.items()}
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(records)} prompts "
-          f"(HumanEval + MT-Bench first turns) x {args.repeats}, {args.max_new_tokens} new tokens, greedy")
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(records)} prompts "
+        f"(HumanEval + MT-Bench first turns) x {args.repeats}, {args.max_new_tokens} new tokens, greedy"
+    )
     print("| | tokens/s (median) | vs llama.cpp on the same weights |\n|---|---|---|")
     for name, value in medians.items():
         peer = {"ar fp32": "llama.cpp F32", "ar q4_1": "llama.cpp Q4_1"}.get(name)
         ratio = f"{value / medians[peer]:.2f}x" if peer in medians else ""
         print(f"| {name} | {value:.1f} | {ratio} |")
     if "llama.cpp F32" in runs:
-        print(f"llama.cpp's greedy tokens equal ours on {same['llama.cpp F32']}/{n} prompts (F32) and "
-              f"{same['llama.cpp Q4_1']}/{n} (Q4_1); llama.cpp keeps its KV cache in F16 by default")
+        print(
+            f"llama.cpp's greedy tokens equal ours on {same['llama.cpp F32']}/{n} prompts (F32) and "
+            f"{same['llama.cpp Q4_1']}/{n} (Q4_1); llama.cpp keeps its KV cache in F16 by default"
+        )
     costs = {"fp32": verify_costs(fp32), "q4_1": verify_costs(q4)}
-    print("\nverify cost of B tokens, in decode steps (context 200):\n| weights | step ms | "
-          + " | ".join(f"B={b}" for b in (1, 2, 4, 8, 16)) + " |\n|---|---|" + "---|" * 5)
+    print(
+        "\nverify cost of B tokens, in decode steps (context 200):\n| weights | step ms | "
+        + " | ".join(f"B={b}" for b in (1, 2, 4, 8, 16))
+        + " |\n|---|---|"
+        + "---|" * 5
+    )
     for name, c in costs.items():
         print(f"| {name} | {c['step_ms']:.1f} | " + " | ".join(f"{c[b]:.2f}" for b in (1, 2, 4, 8, 16)) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tokens_per_second": tps, "medians": medians, "verify_costs": costs,
-                       "machine": cpu_name(), "threads": torch.get_num_threads()}, f, indent=1)
+            json.dump(
+                {
+                    "tokens_per_second": tps,
+                    "medians": medians,
+                    "verify_costs": costs,
+                    "machine": cpu_name(),
+                    "threads": torch.get_num_threads(),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ def describe(folder: Path) -> tuple[str, Counter, int, int, int, int]:
         cut += s["finish_reason"] == "length"
         prompts.add(prompt_of(s["id"]))
         t = s.get("temperature", 0.0)
-        how = "greedy" if not t else f"T {t}" + (f", top-p {s['top_p']}" if "top_p" in s else "") + (
-            f", top-k {s['top_k']}" if "top_k" in s else "")
+        how = (
+            "greedy"
+            if not t
+            else f"T {t}"
+            + (f", top-p {s['top_p']}" if "top_p" in s else "")
+            + (f", top-k {s['top_k']}" if "top_k" in s else "")
+        )
         kinds[f"{how}, {s.get('dtype', 'float32')}"] += 1
     return ", ".join(k for k, _ in kinds.most_common()), sources, n, valid, len(prompts), cut
 
@@ -42,14 +47,18 @@ def describe(folder: Path) -> tuple[str, Counter, int, int, int, int]:
 def table(folders: list[Path]) -> str:
     rows = [(f, *describe(f)) for f in folders if f.is_dir()]
     names = sorted({s for r in rows for s in r[2]})
-    lines = ["| folder | answers | " + " | ".join(names)
-             + " | samples | held out | distinct prompts | cut at the cap |",
-             "|---|---|" + "---|" * len(names) + "---|---|---|---|"]
+    lines = [
+        "| folder | answers | " + " | ".join(names) + " | samples | held out | distinct prompts | cut at the cap |",
+        "|---|---|" + "---|" * len(names) + "---|---|---|---|",
+    ]
     total = Counter()
     for f, how, sources, n, valid, prompts, cut in rows:
         total.update(sources)
-        lines.append(f"| {f.name} | {how} | " + " | ".join(f"{sources[s]:,}" for s in names) +
-                     f" | {n:,} | {valid:,} | {prompts:,} | {cut / max(1, n):.0%} |")
+        lines.append(
+            f"| {f.name} | {how} | "
+            + " | ".join(f"{sources[s]:,}" for s in names)
+            + f" | {n:,} | {valid:,} | {prompts:,} | {cut / max(1, n):.0%} |"
+        )
     lines.append("| all | | " + " | ".join(f"{total[s]:,}" for s in names) + f" | {sum(total.values()):,} | | | |")
     return "\n".join(lines)
 

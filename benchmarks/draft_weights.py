@@ -51,31 +51,51 @@ def main():
                 order = ["float", "int8"] if i % 2 == 0 else ["int8", "float"]
                 outs = {w: engines[w].generate(ids, method=m, max_new_tokens=args.max_new_tokens) for w in order}
                 steps = {w: max(1, o.steps) for w, o in outs.items()}
-                records.append({"dataset": name, "prompt": rec["id"], "method": m,
-                                "same_tokens": outs["float"].token_ids == outs["int8"].token_ids,
-                                **{f"{w}_{k}": v for w, o in outs.items() for k, v in (
-                                    ("tau", o.tau), ("tok_s", o.tokens_per_second),
-                                    ("draft_ms", 1e3 * o.draft_seconds / steps[w]),
-                                    ("verify_ms", 1e3 * o.verify_seconds / steps[w]))}})
-                print(f"{name} {rec['id']} {m}: tau {outs['float'].tau:.2f} / {outs['int8'].tau:.2f}, "
-                      f"tok/s {outs['float'].tokens_per_second:.1f} / {outs['int8'].tokens_per_second:.1f}", flush=True)
+                records.append(
+                    {
+                        "dataset": name,
+                        "prompt": rec["id"],
+                        "method": m,
+                        "same_tokens": outs["float"].token_ids == outs["int8"].token_ids,
+                        **{
+                            f"{w}_{k}": v
+                            for w, o in outs.items()
+                            for k, v in (
+                                ("tau", o.tau),
+                                ("tok_s", o.tokens_per_second),
+                                ("draft_ms", 1e3 * o.draft_seconds / steps[w]),
+                                ("verify_ms", 1e3 * o.verify_seconds / steps[w]),
+                            )
+                        },
+                    }
+                )
+                print(
+                    f"{name} {rec['id']} {m}: tau {outs['float'].tau:.2f} / {outs['int8'].tau:.2f}, "
+                    f"tok/s {outs['float'].tokens_per_second:.1f} / {outs['int8'].tokens_per_second:.1f}",
+                    flush=True,
+                )
     folder = getattr(engines["float"].drafter_for("dflash"), "folder", None)
-    lines = [f"{machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads, drafter "
-             f"{folder.name if folder else '(unsaved)'}, {args.max_samples} prompts a set, "
-             f"{args.max_new_tokens} new tokens, greedy:", "",
-             "| dataset | method | τ fp32 | τ int8 | draft ms/step fp32 | int8 | verify ms/step | tok/s fp32 | "
-             "tok/s int8 | int8 / fp32 (median per prompt) | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads, drafter "
+        f"{folder.name if folder else '(unsaved)'}, {args.max_samples} prompts a set, "
+        f"{args.max_new_tokens} new tokens, greedy:",
+        "",
+        "| dataset | method | τ fp32 | τ int8 | draft ms/step fp32 | int8 | verify ms/step | tok/s fp32 | "
+        "tok/s int8 | int8 / fp32 (median per prompt) | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in args.dataset.split(","):
         for m in methods:
             rs = [r for r in records if r["dataset"] == name and r["method"] == m]
             med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731, B023 (used in this iteration only)
             mean = lambda key: statistics.mean(r[key] for r in rs)  # noqa: E731, B023 (used in this iteration only)
             ratio = statistics.median(r["int8_tok_s"] / r["float_tok_s"] for r in rs)
-            lines.append(f"| {LABELS.get(name, name)} | `{m}` | {mean('float_tau'):.2f} | {mean('int8_tau'):.2f} | "
-                         f"{med('float_draft_ms'):.1f} | {med('int8_draft_ms'):.1f} | {med('float_verify_ms'):.1f} | "
-                         f"{med('float_tok_s'):.2f} | {med('int8_tok_s'):.2f} | {ratio:.3f} | "
-                         f"{sum(r['same_tokens'] for r in rs)}/{len(rs)} |")
+            lines.append(
+                f"| {LABELS.get(name, name)} | `{m}` | {mean('float_tau'):.2f} | {mean('int8_tau'):.2f} | "
+                f"{med('float_draft_ms'):.1f} | {med('int8_draft_ms'):.1f} | {med('float_verify_ms'):.1f} | "
+                f"{med('float_tok_s'):.2f} | {med('int8_tok_s'):.2f} | {ratio:.3f} | "
+                f"{sum(r['same_tokens'] for r in rs)}/{len(rs)} |"
+            )
     text = "\n".join(lines)
     print("\n" + text)
     if args.doc:
@@ -84,9 +104,15 @@ def main():
         write_between(args.doc, "draft-weights", text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine_info(engines["float"]), "args": {k: str(v) if isinstance(v, Path) else v
-                                                                             for k, v in vars(args).items()},
-                       "records": records}, f, indent=1)
+            json.dump(
+                {
+                    "machine": machine_info(engines["float"]),
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "records": records,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

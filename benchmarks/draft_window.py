@@ -60,20 +60,28 @@ def cmd_cost(args, engine: Engine):
             p.propose(torch.tensor([1]), torch.tensor([c]), block - 1)
             times[c, w].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    lines = [f"Draft time per step (ms, median of {args.repeats}, windows interleaved): one block of {block} "
-             f"(the drafter's forward and its LM head), {_where(engine)}.", "",
-             "| context tokens | " + " | ".join("whole context" if w is None else f"W = {w}" for w in windows) + " |",
-             "|---|" + "---|" * len(windows)]
+    lines = [
+        f"Draft time per step (ms, median of {args.repeats}, windows interleaved): one block of {block} "
+        f"(the drafter's forward and its LM head), {_where(engine)}.",
+        "",
+        "| context tokens | " + " | ".join("whole context" if w is None else f"W = {w}" for w in windows) + " |",
+        "|---|" + "---|" * len(windows),
+    ]
     lines += [f"| {c} | " + " | ".join(f"{1e3 * med[c, w]:.2f}" for w in windows) + " |" for c in contexts]
-    lines.append(f"| {contexts[-1]} vs {contexts[0]} | "
-                 + " | ".join(f"{med[contexts[-1], w] / med[contexts[0], w]:.2f}×" for w in windows) + " |")
+    lines.append(
+        f"| {contexts[-1]} vs {contexts[0]} | "
+        + " | ".join(f"{med[contexts[-1], w] / med[contexts[0], w]:.2f}×" for w in windows)
+        + " |"
+    )
     _emit(args, "draft-window-cost", lines)
 
 
 def _where(engine: Engine) -> str:
     folder = getattr(engine.drafter_for("dflash"), "folder", None)
-    return (f"drafter {folder.name if folder else '(unsaved)'}, {machine_info(engine)['processor']}, "
-            f"{torch.get_num_threads()} threads")
+    return (
+        f"drafter {folder.name if folder else '(unsaved)'}, {machine_info(engine)['processor']}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
 
 def _emit(args, marker: str, lines: list[str]) -> None:
@@ -117,15 +125,21 @@ def cmd_tau(args, engine: Engine):
             r["seconds"] += out.decode_seconds
             r["tokens"] += out.num_output_tokens
             r["ar"] += ar.decode_seconds
-    lines = [f"{len(prompts)} held-out ShareGPT conversations of {', '.join(str(len(p)) for p in prompts)} tokens, "
-             f"{args.max_new_tokens} new tokens each, greedy (every window's output equal to `ar`'s), "
-             f"{_where(engine)}.",
-             "", "| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |", "|---|---|---|---|---|"]
+    lines = [
+        f"{len(prompts)} held-out ShareGPT conversations of {', '.join(str(len(p)) for p in prompts)} tokens, "
+        f"{args.max_new_tokens} new tokens each, greedy (every window's output equal to `ar`'s), "
+        f"{_where(engine)}.",
+        "",
+        "| draft window | τ | draft ms/step | dflash tok/s | speed vs ar |",
+        "|---|---|---|---|---|",
+    ]
     for w, r in results.items():
         steps = len(r["lengths"])
-        lines.append(f"| {_label(w) if w is not None else 'whole context'} | {sum(r['lengths']) / steps:.3f} | "
-                     f"{1e3 * r['draft'] / steps:.2f} | {r['tokens'] / r['seconds']:.1f} | "
-                     f"{r['ar'] / r['seconds']:.2f}× |")
+        lines.append(
+            f"| {_label(w) if w is not None else 'whole context'} | {sum(r['lengths']) / steps:.3f} | "
+            f"{1e3 * r['draft'] / steps:.2f} | {r['tokens'] / r['seconds']:.1f} | "
+            f"{r['ar'] / r['seconds']:.2f}× |"
+        )
     _emit(args, "draft-window-tau", lines)
 
 

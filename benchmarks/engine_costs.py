@@ -41,8 +41,10 @@ def main():
     engine = Engine.load(use_draft=False)
     hf = AutoModelForCausalLM.from_pretrained(engine.target_name, dtype=torch.float32).eval()
     n = args.max_new_tokens
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
+    )
 
     ours_tps, hf_tps = [], []
     engine.generate("warm up", max_new_tokens=4, method="ar")
@@ -58,7 +60,7 @@ def main():
             dt = time.perf_counter() - t
             hf_new = ref.shape[1] - len(ids)
             hf_tps.append(hf_new / dt)
-            assert ref[0, len(ids):].tolist() == out.token_ids, "ar output differs from HF greedy"
+            assert ref[0, len(ids) :].tolist() == out.token_ids, "ar output differs from HF greedy"
     o, h = statistics.median(ours_tps), statistics.median(hf_tps)
     print(f"tokens/s, median over {len(ours_tps)} generations of up to {n} tokens:")
     print(f"  blockdraft ar : {o:6.2f}")
@@ -87,14 +89,18 @@ def main():
                         if i:  # the first run of a kernel packs (and "auto" measures) its weights
                             times.setdefault((name, b), []).append(time.perf_counter() - t)
     base = statistics.median(times[("plain", 1)])
-    print(f"verify cost (prompt {len(prompt)} tokens), median of {len(times[('plain', 1)])}, relative to one "
-          f"decode step with plain F.linear ({base * 1e3:.1f} ms); auto = the default, the fastest kernel "
-          "measured per weight shape and row count:")
+    print(
+        f"verify cost (prompt {len(prompt)} tokens), median of {len(times[('plain', 1)])}, relative to one "
+        f"decode step with plain F.linear ({base * 1e3:.1f} ms); auto = the default, the fastest kernel "
+        "measured per weight shape and row count:"
+    )
     print("  B  | " + " | ".join(f"{name:>7}" for name in kernels))
     for b in blocks:
         print(f"  {b:2d} | " + " | ".join(f"{statistics.median(times[(name, b)]) / base:6.2f}x" for name in kernels))
-    print("kernels chosen by auto (out, in, bias, rows): " + ", ".join(
-        f"{o}x{i}@{r}: {k}" for (o, i, _, r), k in sorted(kernel_choices().items())))
+    print(
+        "kernels chosen by auto (out, in, bias, rows): "
+        + ", ".join(f"{o}x{i}@{r}: {k}" for (o, i, _, r), k in sorted(kernel_choices().items()))
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,13 @@ import doctable  # noqa: E402
 
 WIDTHS = (1, 4, 8, 16)
 # (dtype, exact mode, step): "eager" turns the fused step off, "auto" keeps what exact mode chose
-CONFIGS = (("float32", False, "auto"), ("float32", True, "auto"), ("bfloat16", False, "auto"),
-           ("bfloat16", True, "eager"), ("bfloat16", True, "auto"))
+CONFIGS = (
+    ("float32", False, "auto"),
+    ("float32", True, "auto"),
+    ("bfloat16", False, "auto"),
+    ("bfloat16", True, "eager"),
+    ("bfloat16", True, "auto"),
+)
 
 
 def config_name(dt: str, ex: bool, step: str) -> str:
@@ -48,9 +53,16 @@ def parts(e, widths, repeats: int) -> dict:
     from blockdraft.models import native
 
     packed = [p for i, p in enumerate(e.target.native_step.weights()) if i % 12 in (1, 5, 8, 10)]
-    plain = [w for layer in e.target.model.layers
-             for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                       layer.mlp.down_proj.weight)]
+    plain = [
+        w
+        for layer in e.target.model.layers
+        for w in (
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+    ]
     out = {}
     for w in widths:
         xs = {k: torch.randn(w, k).to(torch.bfloat16) for k in {t.shape[1] for t in plain}}
@@ -104,18 +116,27 @@ def measure(args) -> None:
                         fused.setdefault(k, []).append(v)
     bandwidth = statistics.median(bandwidths)
     floor = {dt: round(weight_bytes(e.target) / bandwidth * 1e3, 3) for (dt, ex, _), e in engines.items() if ex}
-    out = {"machine": {"processor": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "flags": cpu_flags(), "bf16_speedup": bf16_speedup(),
-                       "read_gb_per_s": round(bandwidth / 1e9, 1),
-                       "read_gb_per_s_rounds": [round(b / 1e9, 1) for b in bandwidths]},
-           "floor_ms": floor,
-           "kernels": {config_name(*c): (getattr(e.target, "exactness", None) or {}).get("kernels", {})
-                       for c, e in engines.items()},
-           "steps": {config_name(*c): e.precision()["step"] for c, e in engines.items()},
-           "fused_parts_ms": {k: statistics.median(v) for k, v in fused.items()},
-           "context": context, "command": " ".join(sys.argv),
-           "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
-           "exactness": {config_name(*c): e.precision()["exact"] for c, e in engines.items()}}
+    out = {
+        "machine": {
+            "processor": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "flags": cpu_flags(),
+            "bf16_speedup": bf16_speedup(),
+            "read_gb_per_s": round(bandwidth / 1e9, 1),
+            "read_gb_per_s_rounds": [round(b / 1e9, 1) for b in bandwidths],
+        },
+        "floor_ms": floor,
+        "kernels": {
+            config_name(*c): (getattr(e.target, "exactness", None) or {}).get("kernels", {}) for c, e in engines.items()
+        },
+        "steps": {config_name(*c): e.precision()["step"] for c, e in engines.items()},
+        "fused_parts_ms": {k: statistics.median(v) for k, v in fused.items()},
+        "context": context,
+        "command": " ".join(sys.argv),
+        "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
+        "exactness": {config_name(*c): e.precision()["exact"] for c, e in engines.items()},
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1))
     print(table_of(out))
@@ -146,40 +167,57 @@ def weight_bytes(model) -> int:
 def table_of(res: dict) -> str:
     m = res["machine"]
     ms = res["median_ms"]
-    lines = [f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, CPU flags: "
-             f"{', '.join(m['flags']) or 'no amx_bf16 / avx512_bf16'} (a 16-row bf16 product at "
-             f"{m['bf16_speedup']:.2f}x fp32's speed); target forward + logits after {res['context']} tokens, ms "
-             "(median), and in plain steps of the same configuration", "",
-             "| configuration | step | bit-exact | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
-             "|---|---|---|" + "---|" * len(WIDTHS)]
+    lines = [
+        f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, CPU flags: "
+        f"{', '.join(m['flags']) or 'no amx_bf16 / avx512_bf16'} (a 16-row bf16 product at "
+        f"{m['bf16_speedup']:.2f}x fp32's speed); target forward + logits after {res['context']} tokens, ms "
+        "(median), and in plain steps of the same configuration",
+        "",
+        "| configuration | step | bit-exact | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
+        "|---|---|---|" + "---|" * len(WIDTHS),
+    ]
     steps = res.get("steps", {})
     for name, exact in res["exactness"].items():
         one = ms[f"{name} 1"]
-        cells = [f"{ms[f'{name} {w}']:.1f}" + ("" if w == 1 else f" ({ms[f'{name} {w}'] / one:.2f})")
-                 for w in WIDTHS]
+        cells = [f"{ms[f'{name} {w}']:.1f}" + ("" if w == 1 else f" ({ms[f'{name} {w}'] / one:.2f})") for w in WIDTHS]
         step = "fused" if steps.get(name) == "native" else "eager"
-        lines.append(f"| {name.removesuffix(', eager step')} | {step} | {'yes' if exact else 'no'} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name.removesuffix(', eager step')} | {step} | {'yes' if exact else 'no'} | " + " | ".join(cells) + " |"
+        )
     if res.get("floor_ms"):
         spread = m.get("read_gb_per_s_rounds")
         spread = f", {min(spread)} to {max(spread)} over the rounds" if spread else ""
-        lines += ["", f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB, median"
-                  f"{spread}): "
-                  + ", ".join(f"{ms_:.1f} ms in {dt} (a plain exact step is {ms[f'{dt} exact 1'] / ms_:.1f}x that)"
-                              for dt, ms_ in res["floor_ms"].items())
-                  + ". Exact kernels: " + "; ".join(f"{k}: " + ", ".join(f"{n} {c}" for n, c in v.items())
-                                                   for k, v in res["kernels"].items() if v) + "."]
+        lines += [
+            "",
+            f"Reading the weights once at the measured {m['read_gb_per_s']} GB/s (summing 1 GiB, median"
+            f"{spread}): "
+            + ", ".join(
+                f"{ms_:.1f} ms in {dt} (a plain exact step is {ms[f'{dt} exact 1'] / ms_:.1f}x that)"
+                for dt, ms_ in res["floor_ms"].items()
+            )
+            + ". Exact kernels: "
+            + "; ".join(f"{k}: " + ", ".join(f"{n} {c}" for n, c in v.items()) for k, v in res["kernels"].items() if v)
+            + ".",
+        ]
     fused = res.get("fused_parts_ms")
     name = next((n for n, s in steps.items() if s == "native"), None)
     if fused and name:
-        lines += ["", "Where the fused step's time goes, ms (median): its layers' products alone (each weight by "
-                  "W rows through the native kernel from its packed copy, one call each), the LM head, and the rest "
-                  "(norms, rotary, attention, activations, the call; less the products' own call overhead)", "",
-                  "| part | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |", "|---|" + "---|" * len(WIDTHS)]
-        rows = {"layer products": [fused[f"products {w}"] for w in WIDTHS],
-                "LM head": [fused[f"lm head {w}"] for w in WIDTHS]}
-        rows["the rest"] = [ms[f"{name} {w}"] - rows["layer products"][i] - rows["LM head"][i]
-                            for i, w in enumerate(WIDTHS)]
+        lines += [
+            "",
+            "Where the fused step's time goes, ms (median): its layers' products alone (each weight by "
+            "W rows through the native kernel from its packed copy, one call each), the LM head, and the rest "
+            "(norms, rotary, attention, activations, the call; less the products' own call overhead)",
+            "",
+            "| part | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
+            "|---|" + "---|" * len(WIDTHS),
+        ]
+        rows = {
+            "layer products": [fused[f"products {w}"] for w in WIDTHS],
+            "LM head": [fused[f"lm head {w}"] for w in WIDTHS],
+        }
+        rows["the rest"] = [
+            ms[f"{name} {w}"] - rows["layer products"][i] - rows["LM head"][i] for i, w in enumerate(WIDTHS)
+        ]
         rows["whole step"] = [ms[f"{name} {w}"] for w in WIDTHS]
         lines += [f"| {k} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for k, vals in rows.items()]
     return "\n".join(lines)
@@ -188,9 +226,13 @@ def table_of(res: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "table":
-        return doctable.main(__doc__, "exact-cost", lambda a: table_of(json.loads((a.results / "results.json")
-                                                                                  .read_text())),
-                             argv=argv[1:], results=(None, "a results folder of `exact_cost.py measure`"))
+        return doctable.main(
+            __doc__,
+            "exact-cost",
+            lambda a: table_of(json.loads((a.results / "results.json").read_text())),
+            argv=argv[1:],
+            results=(None, "a results folder of `exact_cost.py measure`"),
+        )
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", choices=["measure"])
     ap.add_argument("--out", required=True)

@@ -70,8 +70,16 @@ RESULTS = Path("data/train-logs/experiments.jsonl")
 RUNS = Path("runs/experiments")
 BLOCK_SAMPLES = 128  # held-out answers for the teacher-forced acceptance (Trainer.evaluate_blocks)
 # The base recipe: the shipped drafter's settings.
-BASE = dict(block_size=16, num_layers=3, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
-            init="target-last-fc", max_seq_len=512)
+BASE = dict(
+    block_size=16,
+    num_layers=3,
+    num_anchors=64,
+    batch_size=4,
+    lr=1e-3,
+    draft_vocab=8192,
+    init="target-last-fc",
+    max_seq_len=512,
+)
 # One change per run (name -> overrides of BASE).
 RECIPE = {
     "base": {},
@@ -134,11 +142,21 @@ def run(name: str, cfg: TrainConfig, extra: dict, trainer: Trainer | None = None
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if line]
     last = records[-1]
     blocks = trainer.evaluate_blocks(BLOCK_SAMPLES)
-    result = {"run": name, "steps": last["step"], "tokens_seen": last["tokens_seen"],
-              "minutes": round(last["elapsed"] / 60, 2), "loss": last["loss"], "tau": last.get("tau"),
-              "train_samples": len(trainer.samples), "eval_prompts": cfg.eval_prompts,
-              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
-              "threads": torch.get_num_threads(), "cpu": cpu_name(), **blocks, **extra}
+    result = {
+        "run": name,
+        "steps": last["step"],
+        "tokens_seen": last["tokens_seen"],
+        "minutes": round(last["elapsed"] / 60, 2),
+        "loss": last["loss"],
+        "tau": last.get("tau"),
+        "train_samples": len(trainer.samples),
+        "eval_prompts": cfg.eval_prompts,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        **blocks,
+        **extra,
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -146,8 +164,15 @@ def run(name: str, cfg: TrainConfig, extra: dict, trainer: Trainer | None = None
 
 
 def common(args) -> dict:
-    return dict(data=args.data, eval_every=10**9, eval_prompts=args.eval_prompts,
-                eval_max_new_tokens=args.eval_max_new_tokens, save_every=25, log_every=5, seed=args.seed)
+    return dict(
+        data=args.data,
+        eval_every=10**9,
+        eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        save_every=25,
+        log_every=5,
+        seed=args.seed,
+    )
 
 
 def plan_recipe(args, names: list[str]) -> dict[str, int]:
@@ -165,8 +190,11 @@ def plan_recipe(args, names: list[str]) -> dict[str, int]:
             cfg = TrainConfig(out=str(RUNS / f"recipe-{name}"), **common(args), **settings)
             timed[key] = seconds_per_step(cfg)
         per_step = timed[key]
-        plan[name] = {"steps": max(10, int(args.minutes * 60 / per_step)), "seconds_per_step": round(per_step, 3),
-                      "minutes": args.minutes}
+        plan[name] = {
+            "steps": max(10, int(args.minutes * 60 / per_step)),
+            "seconds_per_step": round(per_step, 3),
+            "minutes": args.minutes,
+        }
         print(f"recipe/{name}: {per_step:.2f} s/step -> {plan[name]['steps']} steps", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(plan, indent=1))
@@ -181,8 +209,16 @@ def cmd_recipe(args):
         cfg = TrainConfig(out=out, **common(args), **{**BASE, **RECIPE[name]})
         cfg.max_steps = plan[name]["steps"]
         print(f"recipe/{name}: {cfg.max_steps} steps", file=sys.stderr)
-        run(f"recipe/{name}", cfg, {"kind": "recipe", "change": RECIPE[name], "budget_minutes": plan[name]["minutes"],
-                                    "seconds_per_step": plan[name]["seconds_per_step"]})
+        run(
+            f"recipe/{name}",
+            cfg,
+            {
+                "kind": "recipe",
+                "change": RECIPE[name],
+                "budget_minutes": plan[name]["minutes"],
+                "seconds_per_step": plan[name]["seconds_per_step"],
+            },
+        )
 
 
 def cmd_scaling(args):
@@ -197,8 +233,9 @@ def cmd_scaling(args):
         if key in done_runs():
             continue
         steps = max(10, round(args.epochs * n / settings["batch_size"]))
-        cfg = TrainConfig(out=str(RUNS / f"scaling-{args.arch}-{n}"), max_steps=steps, limit_samples=n,
-                          **common(args), **settings)
+        cfg = TrainConfig(
+            out=str(RUNS / f"scaling-{args.arch}-{n}"), max_steps=steps, limit_samples=n, **common(args), **settings
+        )
         run(key, cfg, {"kind": "scaling", "arch": args.arch, "samples": n, "epochs": args.epochs})
 
 
@@ -232,8 +269,10 @@ def scaling_branches(args, settings: dict):
         out = RUNS / f"scaling-{args.arch}-wsd-{n}"
         if not (out / "checkpoint").is_dir():
             if main.step > start:
-                raise SystemExit(f"{key}: the main run is at step {main.step}, past this branch's start {start}; "
-                                 "drop this size or retrain the main run")
+                raise SystemExit(
+                    f"{key}: the main run is at step {main.step}, past this branch's start {start}; "
+                    "drop this size or retrain the main run"
+                )
             main.run(until=start)
             out.mkdir(parents=True, exist_ok=True)
             shutil.copytree(main_out / "checkpoint", out / "checkpoint")
@@ -261,29 +300,56 @@ def cmd_served(args):
         last = json.loads((Path(cfg.out) / "metrics.jsonl").read_text().splitlines()[-1])
         served = trainer.evaluate_blocks(BLOCK_SAMPLES, block_size=args.block, num_anchors=args.anchors)
         own = trainer.evaluate_blocks(BLOCK_SAMPLES)
-        result = {"run": key, "kind": "served", "change": RECIPE[name], "served_block": args.block,
-                  "steps": last["step"], "seconds_per_step": round(last["elapsed"] / max(1, last["step"]), 3),
-                  "tau_served": trainer.evaluate_tau(block_size=args.block),
-                  "tau_blocks_served": served["tau_blocks"], "val_acc_served": served["val_acc"],
-                  "blocks_served": served["blocks"], **own, "threads": torch.get_num_threads(),
-                  "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}}
+        result = {
+            "run": key,
+            "kind": "served",
+            "change": RECIPE[name],
+            "served_block": args.block,
+            "steps": last["step"],
+            "seconds_per_step": round(last["elapsed"] / max(1, last["step"]), 3),
+            "tau_served": trainer.evaluate_tau(block_size=args.block),
+            "tau_blocks_served": served["tau_blocks"],
+            "val_acc_served": served["val_acc"],
+            "blocks_served": served["blocks"],
+            **own,
+            "threads": torch.get_num_threads(),
+            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        }
         with open(RESULTS, "a") as f:
             f.write(json.dumps(result) + "\n")
-        print(f"{key}: served tau {result['tau_served']:.3f} (teacher-forced {served['tau_blocks']:.3f})",
-              file=sys.stderr)
+        print(
+            f"{key}: served tau {result['tau_served']:.3f} (teacher-forced {served['tau_blocks']:.3f})", file=sys.stderr
+        )
 
 
 # The shipped DFlash drafter's recipe (its card): the warm start of the sampling A/B.
-SHIPPED = dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=3e-4, draft_vocab=8192,
-               schedule="wsd", warmup_steps=25, max_seq_len=512,
-               init_from="blockdraft/shipped/smollm2-135m-instruct-dflash")
+SHIPPED = dict(
+    block_size=4,
+    num_layers=3,
+    num_anchors=64,
+    batch_size=4,
+    lr=3e-4,
+    draft_vocab=8192,
+    schedule="wsd",
+    warmup_steps=25,
+    max_seq_len=512,
+    init_from="blockdraft/shipped/smollm2-135m-instruct-dflash",
+)
 
 
 def from_shipped(args) -> dict:
     """The settings of a branch that continues the shipped drafter (`sampling`, `markov`, `context`):
     its recipe, measured only at the end on the held-out prompts, checkpointed every 25 steps."""
-    return {**SHIPPED, "dtype": args.dtype, "eval_every": 10**9, "eval_prompts": args.eval_prompts,
-            "eval_max_new_tokens": args.eval_max_new_tokens, "save_every": 25, "log_every": 5, "seed": args.seed}
+    return {
+        **SHIPPED,
+        "dtype": args.dtype,
+        "eval_every": 10**9,
+        "eval_prompts": args.eval_prompts,
+        "eval_max_new_tokens": args.eval_max_new_tokens,
+        "save_every": 25,
+        "log_every": 5,
+        "seed": args.seed,
+    }
 
 
 def write_folder(folder: Path, samples: list[dict]):
@@ -309,10 +375,15 @@ def sampling_data(sources: dict[str, str], out: Path) -> dict[str, dict]:
         folder = out / name
         kept = [s for s in rows if prompt_of(s["id"]) in common]
         write_folder(folder, kept + valid)
-        info[name] = {"folder": str(folder), "source": sources[name], "prompts": len(common),
-                      "train_samples": len(kept), "valid_samples": len(valid),
-                      "answer_tokens": sum(len(s["answer_ids"]) for s in kept),
-                      "temperature": kept[0].get("temperature", 0.0) if kept else None}
+        info[name] = {
+            "folder": str(folder),
+            "source": sources[name],
+            "prompts": len(common),
+            "train_samples": len(kept),
+            "valid_samples": len(valid),
+            "answer_tokens": sum(len(s["answer_ids"]) for s in kept),
+            "temperature": kept[0].get("temperature", 0.0) if kept else None,
+        }
     return info
 
 
@@ -327,16 +398,25 @@ def cmd_sampling(args):
     sources = dict(item.split("=", 1) for item in args.sources)
     info = sampling_data(sources, RUNS / "sampling-data")
     for name, row in info.items():
-        print(f"{name}: {row['train_samples']} answers to {row['prompts']} prompts, "
-              f"{row['answer_tokens']} answer tokens", file=sys.stderr)
+        print(
+            f"{name}: {row['train_samples']} answers to {row['prompts']} prompts, {row['answer_tokens']} answer tokens",
+            file=sys.stderr,
+        )
     settings = from_shipped(args)
     first = next(iter(info))
     if "sampling/start" not in done_runs():
         cfg = TrainConfig(data=info[first]["folder"], out=str(RUNS / "sampling-start"), max_steps=0, **settings)
         trainer = Trainer(cfg)
-        result = {"run": "sampling/start", "kind": "sampling", "source": "(shipped, no further step)", "steps": 0,
-                  "tau": trainer.evaluate_tau(), **trainer.evaluate_blocks(BLOCK_SAMPLES),
-                  "eval_prompts": cfg.eval_prompts, "threads": torch.get_num_threads()}
+        result = {
+            "run": "sampling/start",
+            "kind": "sampling",
+            "source": "(shipped, no further step)",
+            "steps": 0,
+            "tau": trainer.evaluate_tau(),
+            **trainer.evaluate_blocks(BLOCK_SAMPLES),
+            "eval_prompts": cfg.eval_prompts,
+            "threads": torch.get_num_threads(),
+        }
         with open(RESULTS, "a") as f:
             f.write(json.dumps(result) + "\n")
         print(f"start: tau {result['tau']:.3f}, teacher-forced {result['tau_blocks']:.3f}", file=sys.stderr)
@@ -377,16 +457,41 @@ def cmd_context(args):
         per_step = seconds_per_step(cfg)
         cfg.max_steps = max(10, int(args.minutes * 60 / per_step))
         print(f"{key}: {per_step:.2f} s/step -> {cfg.max_steps} steps", file=sys.stderr)
-        run(key, cfg, {"kind": "context", "max_seq_len": length, "data": args.data, "budget_minutes": args.minutes,
-                       "seconds_per_step": round(per_step, 3)})
+        run(
+            key,
+            cfg,
+            {
+                "kind": "context",
+                "max_seq_len": length,
+                "data": args.data,
+                "budget_minutes": args.minutes,
+                "seconds_per_step": round(per_step, 3),
+            },
+        )
 
 
 # The epoch curve's recipes, from scratch (block 4: what a CPU verifies; the shipped settings).
 EPOCH_RECIPES = {
-    "dflash": dict(block_size=4, num_layers=3, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
-                   init="target-last-fc", max_seq_len=512),
-    "eagle3": dict(arch="eagle3", block_size=4, num_anchors=64, batch_size=4, lr=1e-3, draft_vocab=8192,
-                   init="target-last", max_seq_len=512),
+    "dflash": dict(
+        block_size=4,
+        num_layers=3,
+        num_anchors=64,
+        batch_size=4,
+        lr=1e-3,
+        draft_vocab=8192,
+        init="target-last-fc",
+        max_seq_len=512,
+    ),
+    "eagle3": dict(
+        arch="eagle3",
+        block_size=4,
+        num_anchors=64,
+        batch_size=4,
+        lr=1e-3,
+        draft_vocab=8192,
+        init="target-last",
+        max_seq_len=512,
+    ),
 }
 EPOCH_RECIPES["dspark"] = {**EPOCH_RECIPES["dflash"], "markov_rank": 256}
 
@@ -399,10 +504,15 @@ def cmd_epochs(args):
     is written to data/train-logs/positions/epochs-ARCH at every checkpoint: commit it, and on
     another machine the same command continues from it (AdamW's moments rebuilt). The target's
     features are kept in --feature-cache from the first epoch on."""
-    settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
-                "limit_samples": args.samples, "dtype": args.dtype,
-                # one cache per arch: each kind captures its own target layers
-                "feature_cache": args.feature_cache or f"runs/feature-cache-{args.arch}"}
+    settings = {
+        **EPOCH_RECIPES[args.arch],
+        "schedule": "wsd",
+        "warmup_steps": args.warmup_steps,
+        "limit_samples": args.samples,
+        "dtype": args.dtype,
+        # one cache per arch: each kind captures its own target layers
+        "feature_cache": args.feature_cache or f"runs/feature-cache-{args.arch}",
+    }
     main_out = RUNS / f"epochs-{args.arch}-main"
     position = RESULTS.parent / "positions" / f"epochs-{args.arch}"  # committed (weights, no optimizer state)
     if (position / "state.json").is_file() and adopt_position(position, main_out):
@@ -415,8 +525,13 @@ def cmd_epochs(args):
         key = f"epochs/{args.arch}/{e}"
         if key in done_runs():
             continue
-        extra = {"kind": "epochs", "arch": args.arch, "epochs": e, "samples": len(main.samples),
-                 "steps_per_epoch": per_epoch}
+        extra = {
+            "kind": "epochs",
+            "arch": args.arch,
+            "epochs": e,
+            "samples": len(main.samples),
+            "steps_per_epoch": per_epoch,
+        }
         steps = per_epoch * e
         if e == args.max_epochs:
             run(key, main.cfg, extra, trainer=main)
@@ -438,14 +553,20 @@ def labels_data(source: str, offset: int, samples: int, out: Path) -> dict:
     """Training samples [offset, offset + samples) of `source`'s training split (shards are only
     ever appended, so the same slice on any checkout) and its whole held-out split, in one folder."""
     rows = list(iter_samples(source))
-    train = [s for s in rows if s["split"] == "train"][offset: offset + samples]
+    train = [s for s in rows if s["split"] == "train"][offset : offset + samples]
     valid = [s for s in rows if s["split"] == "valid"]
     if len(train) < samples:
         raise SystemExit(f"labels: {source} has {len(train)} training samples from {offset}, not {samples}")
     write_folder(out, train + valid)
-    return {"folder": str(out), "source": source, "offset": offset, "train_samples": len(train),
-            "valid_samples": len(valid), "answer_tokens": sum(len(s["answer_ids"]) for s in train),
-            "temperature": train[0].get("temperature", 0.0)}
+    return {
+        "folder": str(out),
+        "source": source,
+        "offset": offset,
+        "train_samples": len(train),
+        "valid_samples": len(valid),
+        "answer_tokens": sum(len(s["answer_ids"]) for s in train),
+        "temperature": train[0].get("temperature", 0.0),
+    }
 
 
 def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict, samples: int, epochs: float):
@@ -457,8 +578,14 @@ def slice_run(args, kind: str, key: str, out: str, overrides: dict, extra: dict,
     name = f"{Path(args.data).name}-{args.offset}-{samples}"
     info = labels_data(args.data, args.offset, samples, RUNS / f"labels-data-{name}")
     steps = math.ceil(epochs * math.ceil(samples / EPOCH_RECIPES[args.arch]["batch_size"]))
-    settings = {**EPOCH_RECIPES[args.arch], "schedule": "wsd", "warmup_steps": args.warmup_steps,
-                "dtype": args.dtype, "feature_cache": args.feature_cache, **overrides}
+    settings = {
+        **EPOCH_RECIPES[args.arch],
+        "schedule": "wsd",
+        "warmup_steps": args.warmup_steps,
+        "dtype": args.dtype,
+        "feature_cache": args.feature_cache,
+        **overrides,
+    }
     cfg = TrainConfig(out=str(RUNS / out), max_steps=steps, **{**common(args), "data": info["folder"]}, **settings)
     run(key, cfg, {"kind": kind, "arch": args.arch, "epochs": epochs, **extra, **info})
 
@@ -469,8 +596,16 @@ def slice_runs(args, kind: str, variants: list[tuple[str, dict, dict]]):
     each measured on the same held-out prompts and answers (`slice_run`)."""
     name = f"{Path(args.data).name}-{args.offset}-{args.samples}"
     for variant, overrides, extra in variants:
-        slice_run(args, kind, f"{kind}/{args.arch}/{name}/{variant}", f"{kind}-{args.arch}-{name}-{variant}",
-                  overrides, extra, args.samples, args.epochs)
+        slice_run(
+            args,
+            kind,
+            f"{kind}/{args.arch}/{name}/{variant}",
+            f"{kind}-{args.arch}-{name}-{variant}",
+            overrides,
+            extra,
+            args.samples,
+            args.epochs,
+        )
 
 
 def cmd_spread(args):
@@ -490,8 +625,16 @@ def cmd_spread(args):
         runs.append((int(samples), float(epochs)))
     for samples, epochs in runs:
         name = f"{Path(args.data).name}-{args.offset}/{samples}x{epochs:g}{suffix}"
-        slice_run(args, "spread", f"spread/{args.arch}/{name}", f"spread-{args.arch}-{name.replace('/', '-')}",
-                  overrides, extra, samples, epochs)
+        slice_run(
+            args,
+            "spread",
+            f"spread/{args.arch}/{name}",
+            f"spread-{args.arch}-{name.replace('/', '-')}",
+            overrides,
+            extra,
+            samples,
+            epochs,
+        )
 
 
 def cmd_labels(args):
@@ -500,8 +643,11 @@ def cmd_labels(args):
     label is often not the target's most likely token (17% of a1's at T 0.7:
     benchmarks/label_agreement.py), which is what greedy verification accepts; a soft label is the
     distribution the token was drawn from (its top TEACHER_TOPK tokens)."""
-    slice_runs(args, "labels", [(f"distill-{d:g}", {"distill": d}, {"distill": d, "teacher_topk": TEACHER_TOPK})
-                                for d in args.distill])
+    slice_runs(
+        args,
+        "labels",
+        [(f"distill-{d:g}", {"distill": d}, {"distill": d, "teacher_topk": TEACHER_TOPK}) for d in args.distill],
+    )
 
 
 def cmd_features(args):
@@ -541,28 +687,52 @@ def cmd_table(args):
         for r in recipe:
             change = ", ".join(f"{k} {v}" for k, v in r["change"].items()) or "(base)"
             acc, ce = r.get("val_acc") or [None] * 4, r.get("val_ce") or [None]
-            cells = [r["run"].split("/", 1)[1], change, r["steps"], r.get("seconds_per_step"), _num(r["tau"], 3),
-                     _num(r.get("tau_blocks"), 3), _num(acc[0], 3), _num(acc[1], 3), _num(acc[3], 3), _num(ce[0], 2)]
+            cells = [
+                r["run"].split("/", 1)[1],
+                change,
+                r["steps"],
+                r.get("seconds_per_step"),
+                _num(r["tau"], 3),
+                _num(r.get("tau_blocks"), 3),
+                _num(acc[0], 3),
+                _num(acc[1], 3),
+                _num(acc[3], 3),
+                _num(ce[0], 2),
+            ]
             print("| " + " | ".join(str(c) for c in cells) + " |")
     served = [r for r in rows if r.get("kind") == "served"]
     if served:
-        print("\n| run | trained block | anchors | steps | s/step | served block | τ decode | τ teacher-forced | "
-              "acc@1 | acc@2 | τ teacher-forced, trained block |")
+        print(
+            "\n| run | trained block | anchors | steps | s/step | served block | τ decode | τ teacher-forced | "
+            "acc@1 | acc@2 | τ teacher-forced, trained block |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in served:
             acc = r["val_acc_served"] + [None]
-            cells = [r["run"].split("/")[1], r["config"]["block_size"], r["config"]["num_anchors"], r["steps"],
-                     r["seconds_per_step"], r["served_block"], _num(r["tau_served"], 3),
-                     _num(r["tau_blocks_served"], 3), _num(acc[0], 3), _num(acc[1], 3), _num(r["tau_blocks"], 3)]
+            cells = [
+                r["run"].split("/")[1],
+                r["config"]["block_size"],
+                r["config"]["num_anchors"],
+                r["steps"],
+                r["seconds_per_step"],
+                r["served_block"],
+                _num(r["tau_served"], 3),
+                _num(r["tau_blocks_served"], 3),
+                _num(acc[0], 3),
+                _num(acc[1], 3),
+                _num(r["tau_blocks"], 3),
+            ]
             print("| " + " | ".join(str(c) for c in cells) + " |")
     scaling = [r for r in rows if r.get("kind") == "scaling"]
     if scaling:
         print("\n| arch | schedule | distinct samples | epochs | steps | τ decode | τ teacher-forced | acc@1 |")
         print("|---|---|---|---|---|---|---|---|")
         for r in sorted(scaling, key=lambda r: (r["arch"], r.get("schedule", ""), r["samples"])):
-            print(f"| {r['arch']} | {r.get('schedule', 'separate')} | {r['samples']} | {r['epochs']} | {r['steps']} | "
-                  f"{_num(r['tau'], 3)} | {_num(r.get('tau_blocks'), 3)} | "
-                  f"{_num((r.get('val_acc') or [None])[0], 3)} |")
+            print(
+                f"| {r['arch']} | {r.get('schedule', 'separate')} | {r['samples']} | {r['epochs']} | {r['steps']} | "
+                f"{_num(r['tau'], 3)} | {_num(r.get('tau_blocks'), 3)} | "
+                f"{_num((r.get('val_acc') or [None])[0], 3)} |"
+            )
     if args.plot and scaling:
         import matplotlib
 
@@ -575,10 +745,19 @@ def cmd_table(args):
             groups.setdefault(f"{r['arch']} ({r.get('schedule', 'separate')}, {r['epochs']} epoch)", []).append(r)
         for label, rs in sorted(groups.items()):
             rs.sort(key=lambda r: r["samples"])
-            line, = ax.plot([r["samples"] for r in rs], [r.get("tau_blocks") or r["tau"] for r in rs], "o-",
-                            label=f"{label}: teacher-forced")
-            ax.plot([r["samples"] for r in rs], [r["tau"] for r in rs], "s--", color=line.get_color(),
-                    label=f"{label}: decode loop")
+            (line,) = ax.plot(
+                [r["samples"] for r in rs],
+                [r.get("tau_blocks") or r["tau"] for r in rs],
+                "o-",
+                label=f"{label}: teacher-forced",
+            )
+            ax.plot(
+                [r["samples"] for r in rs],
+                [r["tau"] for r in rs],
+                "s--",
+                color=line.get_color(),
+                label=f"{label}: decode loop",
+            )
         ax.set_xscale("log")
         ax.set_xlabel("distinct training samples")
         ax.set_ylabel("τ on held-out prompts")
@@ -596,8 +775,20 @@ def _num(x, digits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recipe", "scaling", "served", "sampling", "markov", "context", "epochs", "labels", "features",
-                 "spread", "blocks", "table"):
+    for name in (
+        "recipe",
+        "scaling",
+        "served",
+        "sampling",
+        "markov",
+        "context",
+        "epochs",
+        "labels",
+        "features",
+        "spread",
+        "blocks",
+        "table",
+    ):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DATA)
         p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the final τ")
@@ -618,13 +809,18 @@ def main():
     s.add_argument("--sizes", type=int, nargs="+", default=[1000, 2500, 5000, 10000, 20000])
     s.add_argument("--epochs", type=float, default=2)
     s.add_argument("--arch", choices=["dflash", "eagle3"], default="dflash")
-    s.add_argument("--wsd-branches", action="store_true",
-                   help="one 1-epoch WSD pass; each size decays off it (--epochs ignored)")
+    s.add_argument(
+        "--wsd-branches", action="store_true", help="one 1-epoch WSD pass; each size decays off it (--epochs ignored)"
+    )
     s.add_argument("--warmup-steps", type=int, default=25, help="--wsd-branches: fixed warmup shared by all sizes")
     s.add_argument("--settings", help='JSON overrides of the base recipe (the chosen one), e.g. {"lr": 2e-3}')
     a = sub.choices["sampling"]
-    a.add_argument("--sources", nargs="+", required=True,
-                   help="NAME=FOLDER of regenerated answers; the first one's held-out answers are the evaluation set")
+    a.add_argument(
+        "--sources",
+        nargs="+",
+        required=True,
+        help="NAME=FOLDER of regenerated answers; the first one's held-out answers are the evaluation set",
+    )
     a.add_argument("--steps", type=int, default=150, help="training steps of every branch")
     a.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     m = sub.choices["markov"]
@@ -650,8 +846,13 @@ def main():
         lb.add_argument("--offset", type=int, default=0, help="the first training sample of --data used")
         lb.add_argument("--samples", type=int, default=2000, help="training samples from --offset")
         if name == "spread":
-            lb.add_argument("--epochs", type=int, nargs="*", default=[4],
-                            help="for each E: --samples answers for E epochs against E x --samples for one")
+            lb.add_argument(
+                "--epochs",
+                type=int,
+                nargs="*",
+                default=[4],
+                help="for each E: --samples answers for E epochs against E x --samples for one",
+            )
         else:
             lb.add_argument("--epochs", type=int, default=1)
         lb.add_argument("--warmup-steps", type=int, default=25)
@@ -659,22 +860,49 @@ def main():
         lb.add_argument("--dtype", default="float32", help="the target's dtype (bfloat16 only where the CPU has it)")
     sub.choices["spread"].add_argument("--settings", help='JSON overrides of the recipe, e.g. {"num_layers": 1}')
     sub.choices["spread"].add_argument("--variant", help="a name for --settings, added to the runs' names")
-    sub.choices["spread"].add_argument("--also", nargs="+", default=[], metavar="SAMPLESxEPOCHS",
-                                       help="more runs from the same offset, e.g. 4000x2.5 (epochs may be fractional)")
-    sub.choices["spread"].add_argument("--target-layer-ids", type=int, nargs="+",
-                                       help="the target layers the drafter reads (default: its kind's; e.g. "
-                                            "the feature cache's)")
-    sub.choices["labels"].add_argument("--distill", type=float, nargs="+", default=[0.0, 1.0],
-                                       help="one run per weight of the soft labels (0: hard labels only)")
-    sub.choices["features"].add_argument("--caches", nargs="+", required=True, metavar="DTYPE=FOLDER",
-                                         help="one run per feature cache, e.g. float16=runs/feature-cache "
-                                              "int8=runs/feature-cache-int8")
+    sub.choices["spread"].add_argument(
+        "--also",
+        nargs="+",
+        default=[],
+        metavar="SAMPLESxEPOCHS",
+        help="more runs from the same offset, e.g. 4000x2.5 (epochs may be fractional)",
+    )
+    sub.choices["spread"].add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        help="the target layers the drafter reads (default: its kind's; e.g. the feature cache's)",
+    )
+    sub.choices["labels"].add_argument(
+        "--distill",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="one run per weight of the soft labels (0: hard labels only)",
+    )
+    sub.choices["features"].add_argument(
+        "--caches",
+        nargs="+",
+        required=True,
+        metavar="DTYPE=FOLDER",
+        help="one run per feature cache, e.g. float16=runs/feature-cache int8=runs/feature-cache-int8",
+    )
     args = ap.parse_args()
     set_paths(args.results, args.runs_dir)
-    {"recipe": cmd_recipe, "scaling": cmd_scaling, "served": cmd_served, "sampling": cmd_sampling, "markov": cmd_markov,
-     "context": cmd_context, "epochs": cmd_epochs, "labels": cmd_labels, "features": cmd_features,
-     "spread": cmd_spread, "blocks": cmd_blocks,
-     "table": cmd_table}[args.cmd](args)
+    {
+        "recipe": cmd_recipe,
+        "scaling": cmd_scaling,
+        "served": cmd_served,
+        "sampling": cmd_sampling,
+        "markov": cmd_markov,
+        "context": cmd_context,
+        "epochs": cmd_epochs,
+        "labels": cmd_labels,
+        "features": cmd_features,
+        "spread": cmd_spread,
+        "blocks": cmd_blocks,
+        "table": cmd_table,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -21,20 +21,28 @@ LABELS = doctable.DATASET_LABELS
 
 
 def table(args) -> str:
-    runs = {folder.name: {p.parent.name: json.loads(p.read_text()) for p in sorted(folder.glob("*/results.json"))}
-            for folder in args.folders}
+    runs = {
+        folder.name: {p.parent.name: json.loads(p.read_text()) for p in sorted(folder.glob("*/results.json"))}
+        for folder in args.folders
+    }
     if not all(runs.values()):
         sys.exit(f"no */results.json in {[n for n, r in runs.items() if not r]}")
     sets = list(next(iter(runs.values())))
     first = next(iter(next(iter(runs.values())).values()))
     lines = ["| run | " + " | ".join(f"{LABELS.get(s, s)} τ" for s in sets) + " |", "|---|" + "---|" * len(sets)]
     for name, reps in runs.items():
-        lines.append(f"| {name} | " + " | ".join(f"{reps[s]['methods']['dflash']['tau']:.2f}" if s in reps else "-"
-                                                 for s in sets) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{reps[s]['methods']['dflash']['tau']:.2f}" if s in reps else "-" for s in sets)
+            + " |"
+        )
     m = first["machine"]
-    lines += ["", f"{first['num_prompts']} prompts a set, {first['max_new_tokens']} new tokens, "
-                  f"T={first['temperature']}; "
-                  f"{m['processor']}, {m['threads']} threads, drafters {m['draft_weights']}."]
+    lines += [
+        "",
+        f"{first['num_prompts']} prompts a set, {first['max_new_tokens']} new tokens, "
+        f"T={first['temperature']}; "
+        f"{m['processor']}, {m['threads']} threads, drafters {m['draft_weights']}.",
+    ]
     return "\n".join(lines)
 
 

@@ -35,11 +35,13 @@ def table(run: Path) -> str:
     rep = next(iter(reps.values()))
     mach = rep["machine"]
     ar = ", ".join(f"{reps[n]['methods']['ar']['tokens_per_second']:.1f}" for n in names if "ar" in reps[n]["methods"])
-    lines += ["", f"{run}: {rep['num_prompts']} prompts per dataset, {rep['max_new_tokens']} new tokens, "
-                  f"T={rep['temperature']}, first turns {'only' if rep['first_turn_only'] else 'and later'}; "
-                  f"{mach['processor']}, {mach['threads']} threads, weights {mach.get('weights', mach['dtype'])}, "
-                  f"drafters {mach.get('draft_weights', 'float')}"
-                  + (f"; `ar` {ar} tok/s." if ar else " (no `ar` run).")]
+    lines += [
+        "",
+        f"{run}: {rep['num_prompts']} prompts per dataset, {rep['max_new_tokens']} new tokens, "
+        f"T={rep['temperature']}, first turns {'only' if rep['first_turn_only'] else 'and later'}; "
+        f"{mach['processor']}, {mach['threads']} threads, weights {mach.get('weights', mach['dtype'])}, "
+        f"drafters {mach.get('draft_weights', 'float')}" + (f"; `ar` {ar} tok/s." if ar else " (no `ar` run)."),
+    ]
     return "\n".join(lines)
 
 

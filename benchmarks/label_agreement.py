@@ -31,7 +31,7 @@ def agreement(target, samples, ks=(4, 8, 16, 32, 64)) -> dict:
         ids, start = s["prompt_ids"] + s["answer_ids"], len(s["prompt_ids"])
         with torch.no_grad():
             final, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None])
-            probs = target.logits(final[0, start - 1: len(ids) - 1]).float().softmax(-1)
+            probs = target.logits(final[0, start - 1 : len(ids) - 1]).float().softmax(-1)
         y = torch.tensor(s["answer_ids"])
         n += len(y)
         wrong += int((probs.argmax(-1) != y).sum())
@@ -41,9 +41,14 @@ def agreement(target, samples, ks=(4, 8, 16, 32, 64)) -> dict:
         cum = probs.topk(max(ks), -1).values.cumsum(-1)
         for k in ks:
             mass[k] += float(cum[:, k - 1].sum())
-    return {"positions": n, "not_argmax": round(wrong / n, 4), "top_prob": round(top / n, 4),
-            "own_prob": round(own / n, 4), "entropy": round(entropy / n, 3),
-            "top_k_mass": {k: round(v / n, 4) for k, v in mass.items()}}
+    return {
+        "positions": n,
+        "not_argmax": round(wrong / n, 4),
+        "top_prob": round(top / n, 4),
+        "own_prob": round(own / n, 4),
+        "entropy": round(entropy / n, 3),
+        "top_k_mass": {k: round(v / n, 4) for k, v in mass.items()},
+    }
 
 
 def main():
@@ -55,8 +60,12 @@ def main():
     target = load_target(default_target_dir(), dtype=getattr(torch, args.dtype))
     for folder in args.folders:
         samples = list(itertools.islice(iter_samples(folder), args.samples))
-        row = {"folder": folder, "temperature": samples[0].get("temperature", 0.0),
-               "answers_dtype": samples[0].get("dtype", "float32"), **agreement(target, samples)}
+        row = {
+            "folder": folder,
+            "temperature": samples[0].get("temperature", 0.0),
+            "answers_dtype": samples[0].get("dtype", "float32"),
+            **agreement(target, samples),
+        }
         print(json.dumps(row))
 
 

@@ -32,13 +32,28 @@ from blockdraft.machine import cpu_name
 from blockdraft.draft import DFlashDrafter
 from blockdraft.models.gguf import default_f32_gguf
 
-STATS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?#mean acc len = ([\d.]+).*dur\(b,g,a\) = "
-                   r"([\d.]+), ([\d.]+), ([\d.]+) ms")
+STATS = re.compile(
+    r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?#mean acc len = ([\d.]+).*dur\(b,g,a\) = "
+    r"([\d.]+), ([\d.]+), ([\d.]+) ms"
+)
 
 
 def llama_bench(binary: Path, model: Path, threads: int, repeats: int) -> dict:
-    cmd = [str(binary), "-m", str(model), "-p", "1,2,3,4,5", "-n", "32", "-t", str(threads), "-r", str(repeats),
-           "-o", "jsonl"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "-p",
+        "1,2,3,4,5",
+        "-n",
+        "32",
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "jsonl",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0:
@@ -56,10 +71,19 @@ def first_layers(folder: Path, layers: int, out: Path) -> Path:
 
     drafter = DFlashDrafter.load(folder)
     raw = drafter.config.to_dict()
-    cut = DFlashDrafter(DraftConfig.from_dict({**raw, "num_hidden_layers": layers, "max_window_layers": layers,
-                                               "layer_types": raw["layer_types"][:layers]}))
-    cut.load_state_dict({k: v for k, v in drafter.state_dict().items()
-                         if not k.startswith("layers.") or int(k.split(".")[1]) < layers})
+    cut = DFlashDrafter(
+        DraftConfig.from_dict(
+            {
+                **raw,
+                "num_hidden_layers": layers,
+                "max_window_layers": layers,
+                "layer_types": raw["layer_types"][:layers],
+            }
+        )
+    )
+    cut.load_state_dict(
+        {k: v for k, v in drafter.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
+    )
     cut.save(out)
     return out
 
@@ -73,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=3)
-    ap.add_argument("--draft", type=Path,
-                    help="DFlash drafter folder (default: the one shipped for the default target)")
+    ap.add_argument(
+        "--draft", type=Path, help="DFlash drafter folder (default: the one shipped for the default target)"
+    )
     ap.add_argument("--layers", default="", help="also time Q8_0 cuts of the drafter to these layer counts, e.g. 1,2")
     args = ap.parse_args(argv)
     server = find_llama_server()
@@ -92,14 +117,20 @@ def main(argv=None) -> int:
     cuts = [int(n) for n in args.layers.split(",") if n]
     if any(not 0 < n < total for n in cuts):
         ap.error(f"--layers: counts between 1 and {total - 1} (the drafter has {total})")
-    variants = [("F16", False, total), ("Q8_0", False, total), ("F16", True, total), ("Q8_0", True, total),
-                *(("Q8_0", False, n) for n in cuts)]
+    variants = [
+        ("F16", False, total),
+        ("Q8_0", False, total),
+        ("F16", True, total),
+        ("Q8_0", True, total),
+        *(("Q8_0", False, n) for n in cuts),
+    ]
     scratch = Path(tempfile.mkdtemp(prefix="step-costs-"))
     for kind, full, layers in variants:
         source = folder if layers == total else first_layers(folder, layers, scratch / f"first-{layers}")
         gguf = drafter_gguf(source, target, kind, full)
-        with LlamaServer(target, drafter=gguf, draft_max=args.draft_max, threads=args.threads,
-                         extra_args=("-lv", "5")) as srv:
+        with LlamaServer(
+            target, drafter=gguf, draft_max=args.draft_max, threads=args.threads, extra_args=("-lv", "5")
+        ) as srv:
             srv.complete(prompts[0], max_new_tokens=8)  # warm-up
             for ids in prompts:
                 srv.complete(ids, max_new_tokens=args.max_new_tokens)
@@ -109,15 +140,30 @@ def main(argv=None) -> int:
         first, last = stats[0], stats[-1]
         calls = int(last.group(2)) - int(first.group(2))
         draft_ms = float(last.group(6)) - float(first.group(6))
-        drafters.append({"weight_type": kind, "vocab": "full" if full else "drafter's", "layers": layers,
-                         "of_layers": total, "drafts": calls,
-                         "draft_ms_per_step": draft_ms / calls if calls else None,
-                         "bytes": gguf.stat().st_size})
+        drafters.append(
+            {
+                "weight_type": kind,
+                "vocab": "full" if full else "drafter's",
+                "layers": layers,
+                "of_layers": total,
+                "drafts": calls,
+                "draft_ms_per_step": draft_ms / calls if calls else None,
+                "bytes": gguf.stat().st_size,
+            }
+        )
         print(json.dumps(drafters[-1]), flush=True)
-    result = {"machine": {"cpu": cpu_name(), "threads": args.threads}, "date": time.strftime("%Y-%m-%d"),
-              "target": target.name, "drafter": str(folder), "draft_max": args.draft_max, "dataset": args.dataset,
-              "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "llama_bench": bench,
-              "drafters": drafters}
+    result = {
+        "machine": {"cpu": cpu_name(), "threads": args.threads},
+        "date": time.strftime("%Y-%m-%d"),
+        "target": target.name,
+        "drafter": str(folder),
+        "draft_max": args.draft_max,
+        "dataset": args.dataset,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "llama_bench": bench,
+        "drafters": drafters,
+    }
     shutil.rmtree(scratch, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -31,17 +31,25 @@ def rows(folder: Path) -> list[str]:
             continue
         step = 1000 * r["decode_seconds_per_step"]
         be = r.get("break_even_tau")
-        out.append(f"| {folder.name} | {label if name != 'llamacpp-server' else '-'} | {name} | "
-                   f"{r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup_vs_llamacpp_server']:.2f} | "
-                   f"{step:.1f} | {'-' if be is None else f'{be:.2f}'} |")
+        out.append(
+            f"| {folder.name} | {label if name != 'llamacpp-server' else '-'} | {name} | "
+            f"{r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup_vs_llamacpp_server']:.2f} | "
+            f"{step:.1f} | {'-' if be is None else f'{be:.2f}'} |"
+        )
     m = rep["machine"]
-    return out, f"{rep['dataset']}, {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, " \
-                f"T={rep['temperature']}; {m['processor']}, {m['threads']} threads; target {rep.get('gguf', '?')}"
+    return (
+        out,
+        f"{rep['dataset']}, {rep['num_prompts']} prompts, {rep['max_new_tokens']} new tokens, "
+        f"T={rep['temperature']}; {m['processor']}, {m['threads']} threads; target {rep.get('gguf', '?')}",
+    )
 
 
 def table(folders: list[Path]) -> str:
-    lines = ["| run | drafter GGUF | method | tau | tok/s | vs llamacpp-server | decode ms / step (plain: / token) "
-             "| break-even tau |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | drafter GGUF | method | tau | tok/s | vs llamacpp-server | decode ms / step (plain: / token) "
+        "| break-even tau |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     notes = []
     for f in folders:
         r, note = rows(f)
@@ -54,23 +62,34 @@ def costs_table(path: Path) -> str:
     c = json.loads(path.read_text())
     ms = c["llama_bench"]["ms"]
     plain = ms.get("tg")
-    lines = [f"Step parts ({path}; {c['machine']['cpu']}, {c['machine']['threads']} threads, target {c['target']}, "
-             f"llama-bench; drafter passes over {c['prompts']} {c['dataset']} prompts, {c['max_new_tokens']} tokens, "
-             f"n_max {c['draft_max']}):", "",
-             "| target batch | 1 (plain step, tg) | " + " | ".join(k for k in ("pp1", "pp2", "pp3", "pp4", "pp5")
-                                                       if k in ms) + " |",
-             "|---|---|" + "---|" * sum(k in ms for k in ("pp1", "pp2", "pp3", "pp4", "pp5")),
-             f"| ms | {plain:.1f} | " + " | ".join(f"{ms[k]:.1f}" for k in ("pp1", "pp2", "pp3", "pp4", "pp5")
-                                                 if k in ms) + " |", "",
-             "| drafter GGUF | MiB | draft ms / step | break-even tau at n_max 2 / 3 (draft + verify over tg) |",
-             "|---|---|---|---|"]
+    lines = [
+        f"Step parts ({path}; {c['machine']['cpu']}, {c['machine']['threads']} threads, target {c['target']}, "
+        f"llama-bench; drafter passes over {c['prompts']} {c['dataset']} prompts, {c['max_new_tokens']} tokens, "
+        f"n_max {c['draft_max']}):",
+        "",
+        "| target batch | 1 (plain step, tg) | "
+        + " | ".join(k for k in ("pp1", "pp2", "pp3", "pp4", "pp5") if k in ms)
+        + " |",
+        "|---|---|" + "---|" * sum(k in ms for k in ("pp1", "pp2", "pp3", "pp4", "pp5")),
+        f"| ms | {plain:.1f} | "
+        + " | ".join(f"{ms[k]:.1f}" for k in ("pp1", "pp2", "pp3", "pp4", "pp5") if k in ms)
+        + " |",
+        "",
+        "| drafter GGUF | MiB | draft ms / step | break-even tau at n_max 2 / 3 (draft + verify over tg) |",
+        "|---|---|---|---|",
+    ]
     for d in c["drafters"]:
         dm = d["draft_ms_per_step"]
         be = " / ".join(f"{(dm + ms[k]) / plain:.2f}" if k in ms and dm is not None else "-" for k in ("pp3", "pp4"))
-        cut = (f", first {d['layers']} of {d['of_layers']} layers (an untrained cut: cost only)"
-               if d.get("layers", d.get("of_layers")) != d.get("of_layers") else "")
-        lines.append(f"| {d['weight_type']}, {d['vocab']} vocabulary{cut} | {d['bytes'] / 2**20:.1f} | "
-                     f"{'-' if dm is None else f'{dm:.1f}'} | {be} |")
+        cut = (
+            f", first {d['layers']} of {d['of_layers']} layers (an untrained cut: cost only)"
+            if d.get("layers", d.get("of_layers")) != d.get("of_layers")
+            else ""
+        )
+        lines.append(
+            f"| {d['weight_type']}, {d['vocab']} vocabulary{cut} | {d['bytes'] / 2**20:.1f} | "
+            f"{'-' if dm is None else f'{dm:.1f}'} | {be} |"
+        )
     return "\n".join(lines)
 
 
@@ -80,5 +99,12 @@ def _make(args) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(doctable.main(__doc__, "llamacpp-table", _make, folders=("+", "bench --out folders"),
-                           **{"--costs": (1, "benchmarks/llamacpp_step_costs.py's output")}))
+    sys.exit(
+        doctable.main(
+            __doc__,
+            "llamacpp-table",
+            _make,
+            folders=("+", "bench --out folders"),
+            **{"--costs": (1, "benchmarks/llamacpp_step_costs.py's output")},
+        )
+    )

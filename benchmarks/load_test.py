@@ -64,14 +64,23 @@ def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -
     wall = time.perf_counter() - t0
     ok = [r for r in results if r["status"] == 200 and r["done"]]
     tokens = sum(r["usage"]["completion_tokens"] for r in ok)
-    tpot = [(r["latency"] - r["ttft"]) / (r["usage"]["completion_tokens"] - 1) for r in ok
-            if "ttft" in r and r["usage"]["completion_tokens"] > 1]
-    return {"concurrency": concurrency, "requests": len(prompts), "completed": len(ok), "output_tokens": tokens,
-            "wall_seconds": wall, "output_tokens_per_second": tokens / wall,
-            "latency_p50": statistics.median(r["latency"] for r in ok),
-            "latency_p90": percentile([r["latency"] for r in ok], 0.9),
-            "ttft_p50": statistics.median(r["ttft"] for r in ok if "ttft" in r),
-            "tpot_mean": statistics.mean(tpot) if tpot else None}
+    tpot = [
+        (r["latency"] - r["ttft"]) / (r["usage"]["completion_tokens"] - 1)
+        for r in ok
+        if "ttft" in r and r["usage"]["completion_tokens"] > 1
+    ]
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "completed": len(ok),
+        "output_tokens": tokens,
+        "wall_seconds": wall,
+        "output_tokens_per_second": tokens / wall,
+        "latency_p50": statistics.median(r["latency"] for r in ok),
+        "latency_p90": percentile([r["latency"] for r in ok], 0.9),
+        "ttft_p50": statistics.median(r["ttft"] for r in ok if "ttft" in r),
+        "tpot_mean": statistics.mean(tpot) if tpot else None,
+    }
 
 
 def main(argv=None) -> int:
@@ -95,13 +104,17 @@ def main(argv=None) -> int:
 
     questions = [q["turns"][0] for q in mtbench()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    report = {"machine": {"platform": platform.platform(), "processor": cpu_name(),
-                          "python": sys.version.split()[0]},
-              "max_tokens": args.max_tokens, "max_batch": args.max_batch, "results": {}}
+    report = {
+        "machine": {"platform": platform.platform(), "processor": cpu_name(), "python": sys.version.split()[0]},
+        "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch,
+        "results": {},
+    }
     for name in args.configs.split(","):
         extra = CONFIGS[name] + (["--draft", args.draft] if args.draft and name != "ar" else [])
-        with ServerProcess(*extra, "--max-batch", str(args.max_batch), "--max-queue", "256",
-                           "--max-tokens", str(args.max_tokens)) as server:
+        with ServerProcess(
+            *extra, "--max-batch", str(args.max_batch), "--max-queue", "256", "--max-tokens", str(args.max_tokens)
+        ) as server:
             stream_chat(server.url, [{"role": "user", "content": "Hello!"}], max_tokens=8)  # warm-up
             rows = []
             for c in levels:
@@ -109,9 +122,11 @@ def main(argv=None) -> int:
                 prompts = [questions[i % len(questions)] for i in range(n)]
                 row = run_level(server.url, prompts, c, args.max_tokens)
                 rows.append(row)
-                print(f"{name:16s} c={c:3d}: {row['output_tokens_per_second']:7.1f} tok/s, latency p50 "
-                      f"{row['latency_p50']:.2f} s p90 {row['latency_p90']:.2f} s, ttft p50 {row['ttft_p50']:.2f} s",
-                      file=sys.stderr)
+                print(
+                    f"{name:16s} c={c:3d}: {row['output_tokens_per_second']:7.1f} tok/s, latency p50 "
+                    f"{row['latency_p50']:.2f} s p90 {row['latency_p90']:.2f} s, ttft p50 {row['ttft_p50']:.2f} s",
+                    file=sys.stderr,
+                )
             report["results"][name] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,18 +142,22 @@ def main(argv=None) -> int:
 def table(report: dict) -> str:
     """The Markdown table of a load_test.json, with ratios to `ar` at the same concurrency."""
     ar = {r["concurrency"]: r["output_tokens_per_second"] for r in report["results"].get("ar", [])}
-    lines = [f"{report['machine']['processor']}, {report['max_tokens']} new tokens, --max-batch {report['max_batch']}:",
-             "",
-             "| server | concurrency | output tok/s | vs ar | latency p50 (s) | latency p90 (s) | "
-             "TTFT p50 (s) | TPOT (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{report['machine']['processor']}, {report['max_tokens']} new tokens, --max-batch {report['max_batch']}:",
+        "",
+        "| server | concurrency | output tok/s | vs ar | latency p50 (s) | latency p90 (s) | "
+        "TTFT p50 (s) | TPOT (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in report["results"].items():
         for r in rows:
             tpot = f"{1000 * r['tpot_mean']:.0f}" if r["tpot_mean"] else "-"
             base = ar.get(r["concurrency"])
             ratio = f"{r['output_tokens_per_second'] / base:.2f}×" if base else "-"
-            lines.append(f"| {name} | {r['concurrency']} | {r['output_tokens_per_second']:.1f} | {ratio} | "
-                         f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.2f} | {tpot} |")
+            lines.append(
+                f"| {name} | {r['concurrency']} | {r['output_tokens_per_second']:.1f} | {ratio} | "
+                f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.2f} | {tpot} |"
+            )
     return "\n".join(lines)
 
 

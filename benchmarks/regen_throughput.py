@@ -39,7 +39,8 @@ from blockdraft import Engine
 from blockdraft.models.transformer import KVCache
 from blockdraft.machine import cpu_name
 from blockdraft.train.answers import AnswerSampling
-from blockdraft.train.data import answer_prompts, parse_mix, regenerate, training_prompts
+from blockdraft.train.data import parse_mix, training_prompts
+from blockdraft.train.regen import answer_prompts, regenerate
 
 
 def main():
@@ -53,30 +54,60 @@ def main():
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", help="write the answers into this data folder (resumable, as `data regenerate`)")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--profile", type=int, metavar="ROWS",
-                    help="instead: profile --window seconds of the loop at ROWS rows (after its first turnover) and "
-                         "print where the time goes, by operator")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="ROWS",
+        help="instead: profile --window seconds of the loop at ROWS rows (after its first turnover) and "
+        "print where the time goes, by operator",
+    )
     ap.add_argument("--offset", type=int, default=0, help="--compare-sorting: skip this many prompts of the mix first")
-    ap.add_argument("--server-compare", type=int, metavar="PROMPTS",
-                    help="instead: in-process vs through a loopback `blockdraft serve` on the same PROMPTS prompts")
+    ap.add_argument(
+        "--server-compare",
+        type=int,
+        metavar="PROMPTS",
+        help="instead: in-process vs through a loopback `blockdraft serve` on the same PROMPTS prompts",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="--server-compare: rounds, in alternating order")
     ap.add_argument("--concurrency", type=int, default=64, help="--server-compare: rows / requests in flight")
-    ap.add_argument("--copying-permute", action="store_true",
-                    help="--compare-sorting: sorted rows with the cache reordered by a full copy vs in place")
-    ap.add_argument("--compare-sorting", type=int, metavar="PROMPTS",
-                    help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
-                         "length + grouped attention and without, twice each, interleaved, and print the wall times")
-    ap.add_argument("--compare-features", type=int, metavar="PROMPTS",
-                    help="the same prompts answered with and without keeping their features for training")
-    ap.add_argument("--compare-prefix", type=int, metavar="PROMPTS",
-                    help="instead: answer the same PROMPTS prompts with the chat template's shared start prefilled "
-                         "once and without, twice each, interleaved, and print the wall times")
+    ap.add_argument(
+        "--copying-permute",
+        action="store_true",
+        help="--compare-sorting: sorted rows with the cache reordered by a full copy vs in place",
+    )
+    ap.add_argument(
+        "--compare-sorting",
+        type=int,
+        metavar="PROMPTS",
+        help="instead: answer the same PROMPTS prompts at the largest --batches size with rows sorted by "
+        "length + grouped attention and without, twice each, interleaved, and print the wall times",
+    )
+    ap.add_argument(
+        "--compare-features",
+        type=int,
+        metavar="PROMPTS",
+        help="the same prompts answered with and without keeping their features for training",
+    )
+    ap.add_argument(
+        "--compare-prefix",
+        type=int,
+        metavar="PROMPTS",
+        help="instead: answer the same PROMPTS prompts with the chat template's shared start prefilled "
+        "once and without, twice each, interleaved, and print the wall times",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the target's precision")
-    ap.add_argument("--compare-dtype", type=int, metavar="PROMPTS",
-                    help="answer this many prompts with an fp32 and a bf16 target, twice each, interleaved; "
-                         "print the rates and how far the answers agree")
-    ap.add_argument("--no-share-prefix", action="store_true",
-                    help="prefill every prompt whole (default: the chat template's shared start once)")
+    ap.add_argument(
+        "--compare-dtype",
+        type=int,
+        metavar="PROMPTS",
+        help="answer this many prompts with an fp32 and a bf16 target, twice each, interleaved; "
+        "print the rates and how far the answers agree",
+    )
+    ap.add_argument(
+        "--no-share-prefix",
+        action="store_true",
+        help="prefill every prompt whole (default: the chat template's shared start once)",
+    )
     args = ap.parse_args()
     if args.profile:
         return profile(args)
@@ -96,26 +127,49 @@ def main():
                 turned.append(stats.seconds)
             return bool(turned) and stats.seconds - turned[0] >= args.window
 
-        common = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, max_prompt_tokens=args.max_prompt_tokens,
-                      until=until, share_prefix=not args.no_share_prefix,
-                      sampling=AnswerSampling(args.temperature, args.top_p))
+        common = dict(
+            max_new_tokens=args.max_new_tokens,
+            batch_size=batch,
+            max_prompt_tokens=args.max_prompt_tokens,
+            until=until,
+            share_prefix=not args.no_share_prefix,
+            sampling=AnswerSampling(args.temperature, args.top_p),
+        )
         if args.out:
             stats = regenerate(engine, args.out, mix=args.mix, progress=False, **common)
         else:
             prompts = training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens)
             stats = answer_prompts(engine, prompts, **common)
         answer, prompt, span = stats.steady_rates(batch)
-        row = {"batch": batch, "answer_tok_s": round(answer, 1), "prompt_tok_s": round(prompt, 1),
-               "measured_seconds": round(span, 1), "warmup_seconds": round(turned[0], 1) if turned else None,
-               "samples_finished": stats.written, "whole_run_answer_tok_s": round(stats.tokens_per_second, 1)}
+        row = {
+            "batch": batch,
+            "answer_tok_s": round(answer, 1),
+            "prompt_tok_s": round(prompt, 1),
+            "measured_seconds": round(span, 1),
+            "warmup_seconds": round(turned[0], 1) if turned else None,
+            "samples_finished": stats.written,
+            "whole_run_answer_tok_s": round(stats.tokens_per_second, 1),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "python": platform.python_version()},
-              "date": time.strftime("%Y-%m-%d"), "mix": parse_mix(args.mix), "max_new_tokens": args.max_new_tokens,
-              "max_prompt_tokens": args.max_prompt_tokens, "window_seconds": args.window,
-              "temperature": args.temperature, "top_p": args.top_p, "dtype": args.dtype,
-              "shared_prefix": not args.no_share_prefix, "results": rows}
+    result = {
+        "machine": {
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d"),
+        "mix": parse_mix(args.mix),
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "window_seconds": args.window,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "dtype": args.dtype,
+        "shared_prefix": not args.no_share_prefix,
+        "results": rows,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -134,8 +188,11 @@ def compare_runs(args):
 
     engine = Engine.load(use_draft=False, dtype=getattr(torch, args.dtype))
     count = args.compare_sorting or args.compare_prefix or args.compare_features
-    prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
-                                    args.offset, args.offset + count))
+    prompts = list(
+        itertools.islice(
+            training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens), args.offset, args.offset + count
+        )
+    )
     batch = max(args.batches)
     in_place = KVCache.permute
 
@@ -149,28 +206,46 @@ def compare_runs(args):
         layers = feature_layers(argparse.Namespace(feature_layers=None, feature_cache="", draft=None), engine)
         runs = [(f"features of layers {layers} kept", "features", in_place), ("answers only", {}, in_place)]
     elif args.compare_prefix:
-        runs = [("chat template's shared start prefilled once", dict(share_prefix=True), in_place),
-                ("every prompt prefilled whole", dict(share_prefix=False), in_place)]
+        runs = [
+            ("chat template's shared start prefilled once", dict(share_prefix=True), in_place),
+            ("every prompt prefilled whole", dict(share_prefix=False), in_place),
+        ]
     elif args.copying_permute:
-        runs = [("rows sorted every 32 steps (cache copied)", dict(sort_every=32), copying),
-                ("rows sorted every 32 steps (in place)", dict(sort_every=32), in_place)]
+        runs = [
+            ("rows sorted every 32 steps (cache copied)", dict(sort_every=32), copying),
+            ("rows sorted every 32 steps (in place)", dict(sort_every=32), in_place),
+        ]
     else:
-        runs = [("rows sorted every - steps", dict(sort_every=0), in_place),
-                ("rows sorted every 32 steps", dict(sort_every=32), in_place)]
+        runs = [
+            ("rows sorted every - steps", dict(sort_every=0), in_place),
+            ("rows sorted every 32 steps", dict(sort_every=32), in_place),
+        ]
     for label, options, permute in runs * 2:
         KVCache.permute = permute
         if options == "features":  # a fresh cache each time: every answer's features written
-            options = dict(features=FeatureCache(tempfile.mkdtemp(prefix="features-", dir="runs"), engine.target,
-                                                 layers, writer="regen"))
+            options = dict(
+                features=FeatureCache(
+                    tempfile.mkdtemp(prefix="features-", dir="runs"), engine.target, layers, writer="regen"
+                )
+            )
         t0 = time.perf_counter()
-        stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
-                               max_prompt_tokens=args.max_prompt_tokens, **options)
+        stats = answer_prompts(
+            engine,
+            iter(prompts),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=batch,
+            max_prompt_tokens=args.max_prompt_tokens,
+            **options,
+        )
         seconds = time.perf_counter() - t0
         if "features" in options:
             options["features"].close()
             shutil.rmtree(options["features"].folder)
-        print(f"{label}: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens in {seconds:.0f} s "
-              f"({stats.tokens / seconds:.0f} answer tok/s)", flush=True)
+        print(
+            f"{label}: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens in {seconds:.0f} s "
+            f"({stats.tokens / seconds:.0f} answer tok/s)",
+            flush=True,
+        )
     KVCache.permute = in_place
 
 
@@ -179,43 +254,64 @@ def compare_dtypes(args):
     import itertools
 
     engines = {name: Engine.load(use_draft=False, dtype=getattr(torch, name)) for name in ("float32", "bfloat16")}
-    prompts = list(itertools.islice(training_prompts(engines["float32"].tokenizer, args.mix, args.max_prompt_tokens),
-                                    args.offset, args.offset + args.compare_dtype))
+    prompts = list(
+        itertools.islice(
+            training_prompts(engines["float32"].tokenizer, args.mix, args.max_prompt_tokens),
+            args.offset,
+            args.offset + args.compare_dtype,
+        )
+    )
     answers, rates, batch = {}, {name: [] for name in engines}, max(args.batches)
     for name in list(engines) * 2:
         out = answers.setdefault(name, {})
         t0 = time.perf_counter()
-        stats = answer_prompts(engines[name], iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=batch,
-                               max_prompt_tokens=args.max_prompt_tokens,
-                               on_sample=lambda s, out=out: out.setdefault(s["id"], s["answer_ids"]))
+        stats = answer_prompts(
+            engines[name],
+            iter(prompts),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=batch,
+            max_prompt_tokens=args.max_prompt_tokens,
+            on_sample=lambda s, out=out: out.setdefault(s["id"], s["answer_ids"]),
+        )
         rates[name].append(stats.tokens / (time.perf_counter() - t0))
-        print(f"{name}, {batch} rows: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens, "
-              f"{rates[name][-1]:.0f} answer tok/s", flush=True)
+        print(
+            f"{name}, {batch} rows: {stats.tokens} answer + {stats.prompt_tokens} prompt tokens, "
+            f"{rates[name][-1]:.0f} answer tok/s",
+            flush=True,
+        )
     a, b = answers["float32"], answers["bfloat16"]
     same = sum(a[k] == b[k] for k in a)
     agreed = total = 0
     for k in a:  # answer tokens before the first difference, over fp32's answer lengths
         n = next((i for i, (x, y) in enumerate(zip(a[k], b[k], strict=False)) if x != y), min(len(a[k]), len(b[k])))
         agreed, total = agreed + n, total + len(a[k])
-    print(f"bf16 / fp32 rate: "
-          f"{', '.join(f'{y / x:.2f}' for x, y in zip(rates['float32'], rates['bfloat16'], strict=False))}; "
-          f"identical answers: {same} of {len(a)}; fp32 answer tokens before the first difference: "
-          f"{agreed} of {total} ({agreed / max(total, 1):.1%}) ({torch.get_num_threads()} threads, {cpu_name()})")
+    print(
+        f"bf16 / fp32 rate: "
+        f"{', '.join(f'{y / x:.2f}' for x, y in zip(rates['float32'], rates['bfloat16'], strict=False))}; "
+        f"identical answers: {same} of {len(a)}; fp32 answer tokens before the first difference: "
+        f"{agreed} of {total} ({agreed / max(total, 1):.1%}) ({torch.get_num_threads()} threads, {cpu_name()})"
+    )
 
 
 def server_compare(args):
     import itertools
 
     from blockdraft.serve.client import ServerProcess
-    from blockdraft.train.data import RegenStats
+    from blockdraft.train.regen import RegenStats
     from blockdraft.train.remote import RemoteTarget, answer_prompts_remote
 
     engine = Engine.load(use_draft=False)
-    prompts = list(itertools.islice(training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
-                                    args.offset, args.offset + args.server_compare))
+    prompts = list(
+        itertools.islice(
+            training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens),
+            args.offset,
+            args.offset + args.server_compare,
+        )
+    )
     c, answers, rates = args.concurrency, {}, {"in-process": [], "server": []}
-    common = dict(max_new_tokens=args.max_new_tokens, on_sample=lambda s: answers.setdefault(s["id"], []).append(
-        s["answer_ids"]))
+    common = dict(
+        max_new_tokens=args.max_new_tokens, on_sample=lambda s: answers.setdefault(s["id"], []).append(s["answer_ids"])
+    )
 
     def in_process():
         t0 = time.perf_counter()
@@ -224,25 +320,41 @@ def server_compare(args):
         print(f"in-process, {c} rows: {stats.tokens} answer tokens, {rates['in-process'][-1]:.0f} tok/s", flush=True)
 
     def server():
-        with ServerProcess("--method", "ar", "--max-batch", str(c), "--max-queue", str(2 * c), "--max-tokens",
-                           str(args.max_new_tokens), "--max-model-len",
-                           str(args.max_prompt_tokens + args.max_new_tokens), "--log-level", "error") as proc:
+        with ServerProcess(
+            "--method",
+            "ar",
+            "--max-batch",
+            str(c),
+            "--max-queue",
+            str(2 * c),
+            "--max-tokens",
+            str(args.max_new_tokens),
+            "--max-model-len",
+            str(args.max_prompt_tokens + args.max_new_tokens),
+            "--log-level",
+            "error",
+        ) as proc:
             remote = RemoteTarget(proc.url, engine.tokenizer, engine.stop_token_ids, concurrency=c)
             t0 = time.perf_counter()
-            stats = answer_prompts_remote(remote, iter(prompts), concurrency=c, sampling=AnswerSampling(),
-                                          stats=RegenStats(), **common)
+            stats = answer_prompts_remote(
+                remote, iter(prompts), concurrency=c, sampling=AnswerSampling(), stats=RegenStats(), **common
+            )
             rates["server"].append(stats.tokens / (time.perf_counter() - t0))
-        print(f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, "
-              f"{rates['server'][-1]:.0f} tok/s", flush=True)
+        print(
+            f"blockdraft serve, {c} requests in flight: {stats.tokens} answer tokens, {rates['server'][-1]:.0f} tok/s",
+            flush=True,
+        )
 
     for r in range(args.rounds):  # the order alternates between rounds
-        for fn in ((server, in_process) if r % 2 else (in_process, server)):
+        for fn in (server, in_process) if r % 2 else (in_process, server):
             fn()
     ratios = [s / i for s, i in zip(rates["server"], rates["in-process"], strict=False)]
     same = sum(len(a) == 2 * args.rounds and all(x == a[0] for x in a) for a in answers.values())
-    print(f"server / in-process by round: {', '.join(f'{x:.2f}' for x in ratios)}; totals: "
-          f"{sum(rates['server']) / sum(rates['in-process']):.2f}; identical answers: {same} of "
-          f"{len(prompts)} ({torch.get_num_threads()} threads, {cpu_name()})")
+    print(
+        f"server / in-process by round: {', '.join(f'{x:.2f}' for x in ratios)}; totals: "
+        f"{sum(rates['server']) / sum(rates['in-process']):.2f}; identical answers: {same} of "
+        f"{len(prompts)} ({torch.get_num_threads()} threads, {cpu_name()})"
+    )
 
 
 def profile(args):
@@ -259,8 +371,14 @@ def profile(args):
         return state["on"] and stats.seconds - state["t0"] >= args.window
 
     prompts = training_prompts(engine.tokenizer, args.mix, args.max_prompt_tokens)
-    answer_prompts(engine, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.profile,
-                   max_prompt_tokens=args.max_prompt_tokens, until=until)
+    answer_prompts(
+        engine,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.profile,
+        max_prompt_tokens=args.max_prompt_tokens,
+        until=until,
+    )
     wall = time.perf_counter()
     prof.__exit__(None, None, None)
     wall -= state["wall0"]

@@ -13,7 +13,8 @@ import time
 
 from blockdraft import Engine
 from blockdraft.serve.scheduler import Scheduler
-from blockdraft.train.data import answer_prompts, training_prompts
+from blockdraft.train.data import training_prompts
+from blockdraft.train.regen import answer_prompts
 
 
 def scheduler_rate(engine, prompts, max_new: int, rows: int, thread: bool) -> float:
@@ -51,7 +52,7 @@ def main():
         t0 = time.perf_counter()
         stats = answer_prompts(engine, iter(prompts), max_new_tokens=args.max_new_tokens, batch_size=args.rows)
         print(f"offline loop: {stats.tokens / (time.perf_counter() - t0):.0f} answer tok/s", flush=True)
-        for thread in ((True, False) if r % 2 else (False, True)):
+        for thread in (True, False) if r % 2 else (False, True):
             rate = scheduler_rate(engine, prompts, args.max_new_tokens, args.rows, thread)
             print(f"scheduler on the {'second' if thread else 'main'} thread: {rate:.0f} answer tok/s", flush=True)
 

@@ -22,22 +22,36 @@ def table(schema_run: Path, free_run: Path) -> str:
     schema, free = (json.loads((run / "results.json").read_text()) for run in (schema_run, free_run))
     if "grammar" not in schema or "grammar" in free:
         sys.exit("give the run with a grammar first, then the run without one")
-    lines = ["| method | τ with schema | τ free | tok/s with schema | tok/s free | speedup with schema "
-             "| grammar's share of decode |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | τ with schema | τ free | tok/s with schema | tok/s free | speedup with schema "
+        "| grammar's share of decode |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in schema["methods"].items():
         f = free["methods"].get(name, {})
         share = r["grammar_seconds"] / r["decode_seconds"] if r.get("decode_seconds") else 0.0
-        lines.append(f"| `{name}` | {r['tau']:.2f} | {f.get('tau', 0):.2f} | {r['tokens_per_second_median']:.1f} "
-                     f"| {f.get('tokens_per_second_median', 0):.1f} | {r['speedup_vs_ar']:.2f}× | {share:.1%} |")
+        lines.append(
+            f"| `{name}` | {r['tau']:.2f} | {f.get('tau', 0):.2f} | {r['tokens_per_second_median']:.1f} "
+            f"| {f.get('tokens_per_second_median', 0):.1f} | {r['speedup_vs_ar']:.2f}× | {share:.1%} |"
+        )
     mach = schema["machine"]
-    lines += ["", f"{schema_run} and {free_run}: {schema['num_prompts']} prompts, up to {schema['max_new_tokens']} "
-                  f"new tokens, greedy, {schema['repeats']} repeats (medians); {mach['processor']}, "
-                  f"{mach['threads']} threads, target in {mach.get('weights', mach['dtype'])}; grammar "
-                  f"{schema['grammar']['kind']}."]
+    lines += [
+        "",
+        f"{schema_run} and {free_run}: {schema['num_prompts']} prompts, up to {schema['max_new_tokens']} "
+        f"new tokens, greedy, {schema['repeats']} repeats (medians); {mach['processor']}, "
+        f"{mach['threads']} threads, target in {mach.get('weights', mach['dtype'])}; grammar "
+        f"{schema['grammar']['kind']}.",
+    ]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(doctable.main(__doc__, "structured", lambda a: table(a.schema_run, a.free_run),
-                           schema_run=(None, "a bench --out folder run with --json-schema"),
-                           free_run=(None, "the same bench without it")))
+    sys.exit(
+        doctable.main(
+            __doc__,
+            "structured",
+            lambda a: table(a.schema_run, a.free_run),
+            schema_run=(None, "a bench --out folder run with --json-schema"),
+            free_run=(None, "the same bench without it"),
+        )
+    )

@@ -35,10 +35,19 @@ def main():
     ap.add_argument("--arch", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--data", default="data/regen/smollm2-135m-instruct")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                    help="the target's dtype (bfloat16: the drafter under autocast, as `train --dtype`)")
-    ap.add_argument("--tau-samples", type=int, default=0,
-                    help=">0: the shipped drafter's teacher-forced tau on this many held-out answers, per dtype")
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="the target's dtype (bfloat16: the drafter under autocast, as `train --dtype`)",
+    )
+    ap.add_argument(
+        "--tau-samples",
+        type=int,
+        default=0,
+        help=">0: the shipped drafter's teacher-forced tau on this many held-out answers, per dtype",
+    )
     args = ap.parse_args()
     for arch in args.arch:
         for dtype in args.dtype:
@@ -48,17 +57,33 @@ def main():
 def measure(args, arch: str, dtype: str):
     shipped = shipped_drafter(arch)
     with tempfile.TemporaryDirectory() as tmp:
-        tr = Trainer(TrainConfig(data=args.data, out=f"{tmp}/run", max_steps=100, batch_size=4, lr=1e-3,
-                                 draft_vocab=8192, max_seq_len=512, eval_every=10**9, save_every=10**9,
-                                 feature_cache=f"{tmp}/cache", dtype=dtype, **SETTINGS[arch],
-                                 init_from=str(shipped) if shipped else None))
+        tr = Trainer(
+            TrainConfig(
+                data=args.data,
+                out=f"{tmp}/run",
+                max_steps=100,
+                batch_size=4,
+                lr=1e-3,
+                draft_vocab=8192,
+                max_seq_len=512,
+                eval_every=10**9,
+                save_every=10**9,
+                feature_cache=f"{tmp}/cache",
+                dtype=dtype,
+                **SETTINGS[arch],
+                init_from=str(shipped) if shipped else None,
+            )
+        )
         layers = tuple(tr.drafter.config.target_layer_ids)
         if args.tau_samples > 0 and shipped:  # before any step changes the drafter
             cache, tr.features = tr.features, None  # the live target's features, in this dtype
             blocks = tr.evaluate_blocks(num_samples=args.tau_samples)
             tr.features = cache
-            print(f"{arch} ({dtype} target): shipped drafter's teacher-forced tau {blocks['tau_blocks']:.4f} "
-                  f"over {blocks['blocks']} held-out blocks", file=sys.stderr)
+            print(
+                f"{arch} ({dtype} target): shipped drafter's teacher-forced tau {blocks['tau_blocks']:.4f} "
+                f"over {blocks['blocks']} held-out blocks",
+                file=sys.stderr,
+            )
 
         def timed(run):
             out = []
@@ -81,10 +106,12 @@ def measure(args, arch: str, dtype: str):
         forward = timed(target_only)
         storing = timed(step)
         reading = timed(step)
-        print(f"{arch} ({dtype} target): target forward {forward:.2f} s of a {storing:.2f} s step "
-              f"({forward / storing:.0%}) that also stores the features; reading them back: {reading:.2f} s "
-              f"({storing / reading:.1f}x)",
-              file=sys.stderr)
+        print(
+            f"{arch} ({dtype} target): target forward {forward:.2f} s of a {storing:.2f} s step "
+            f"({forward / storing:.0%}) that also stores the features; reading them back: {reading:.2f} s "
+            f"({storing / reading:.1f}x)",
+            file=sys.stderr,
+        )
         tr.features.close()
 
 

@@ -39,5 +39,6 @@ def table(logs: list[Path]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(doctable.main(__doc__, "wide-block", lambda a: table(a.logs),
-                           logs=("+", "metrics logs of the A/B's runs")))
+    sys.exit(
+        doctable.main(__doc__, "wide-block", lambda a: table(a.logs), logs=("+", "metrics logs of the A/B's runs"))
+    )

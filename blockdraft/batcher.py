@@ -66,8 +66,14 @@ class Batcher:
             return Step({}, {}, rejected={key: str(exc) for key, _, _ in items})
         elapsed = clock(self.loop.target.device) - t0
         finished = {key: state.finished for key, _, state in items}
-        return Step(new_ids, finished, prefill_seconds=elapsed, total_seconds=elapsed, prefill=True,
-                    done=self._release(k for k, f in finished.items() if f))
+        return Step(
+            new_ids,
+            finished,
+            prefill_seconds=elapsed,
+            total_seconds=elapsed,
+            prefill=True,
+            done=self._release(k for k, f in finished.items() if f),
+        )
 
     def decode(self) -> Step:
         """One draft -> verify -> accept step over the running rows (none: an empty Step)."""
@@ -94,10 +100,16 @@ class Batcher:
 
 
 @torch.inference_mode()
-def generate_steps(target: Transformer, proposer: Proposer, requests: list[Request],
-                   block_size: int = 16, states: list[SequenceState] | None = None,
-                   batch_size: int | None = None, shared_prefix: list[int] | None = None,
-                   adaptive: bool = False) -> Iterator[Step]:
+def generate_steps(
+    target: Transformer,
+    proposer: Proposer,
+    requests: list[Request],
+    block_size: int = 16,
+    states: list[SequenceState] | None = None,
+    batch_size: int | None = None,
+    shared_prefix: list[int] | None = None,
+    adaptive: bool = False,
+) -> Iterator[Step]:
     """Run the loop over requests, yielding one `Step` per target forward (the first one also
     prefills the first batch).
 

@@ -25,8 +25,10 @@ def write_model_folder(folder: str | Path, config: dict, state: dict, dtype: tor
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    weights = {k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in state.items()}
+    weights = {
+        k: v.detach().to("cpu", (dtype or v.dtype) if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in state.items()
+    }
     floating = [v.dtype for v in weights.values() if v.is_floating_point()]
     config = dict(config, dtype=str(floating[0] if floating else torch.float32).removeprefix("torch."))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -70,10 +72,13 @@ def load_weights(cls, cfg, folder: str | Path, device=None, dtype: torch.dtype |
     expected = set(model.state_dict())
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if missing or unexpected:
-        raise BlockdraftError(f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
-                              f"unexpected {sorted(unexpected)[:4]})")
+        raise BlockdraftError(
+            f"{folder}: weights do not match the config (missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]})"
+        )
     device, dtype = torch.device(device or "cpu"), dtype or torch.float32
-    model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-                           for k, v in weights.items()}, assign=True)
+    model.load_state_dict(
+        {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in weights.items()}, assign=True
+    )
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
     return model.eval()

@@ -113,8 +113,9 @@ class PositionAcceptance:
         """Rate per position, (accepted + a) / (reached + a + b) with the prior (a, b) (e.g. (1, 1):
         an unseen position counts as 1/2); 0.0 where a position was never reached without one."""
         a, b = prior
-        return [(acc + a) / (n + a + b) if n + a + b else 0.0
-                for acc, n in zip(self.accepted, self.reached, strict=False)]
+        return [
+            (acc + a) / (n + a + b) if n + a + b else 0.0 for acc, n in zip(self.accepted, self.reached, strict=False)
+        ]
 
     def expected_tokens(self, block: int, prior: tuple[float, float] = (1.0, 1.0)) -> float:
         """E[tokens a step commits at `block`] = 1 + sum_k prod_{j<=k} p_j (the bonus token included)."""
@@ -151,8 +152,9 @@ def best_depth(mean_scores: list[float], costs: StepCosts, batch: int) -> int:
     depths = range(1, len(mean_scores) + 1)
     verify = costs.estimates(batch, [d + 1 for d in depths])
     gains = [1.0 + sum(mean_scores[:d]) for d in depths]
-    rates = [gain / ((costs.draft_estimate(batch, d) or 0.0) + v)
-             for d, gain, v in zip(depths, gains, verify, strict=False)]
+    rates = [
+        gain / ((costs.draft_estimate(batch, d) or 0.0) + v) for d, gain, v in zip(depths, gains, verify, strict=False)
+    ]
     return max(depths, key=lambda d: (rates[d - 1], -d))
 
 

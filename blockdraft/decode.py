@@ -12,6 +12,7 @@ import time
 import torch
 
 from .costs import clock
+from .decode_state import DecodeState
 from .errors import BlockdraftError
 from .models.transformer import KVCache, Transformer
 from .policy import SpeculationPolicy
@@ -19,7 +20,6 @@ from .proposers import Proposer
 from .sampling import SamplingParams, acceptance, sample_tokens
 from .sequences import Request, SequenceState, Step, emit, keep_logprobs, token_logprobs
 from .grammar import apply_masks, block_masks, chain_masks
-from .tree import DraftTree
 
 
 def resolve_block(proposer: Proposer, requested: int | None = None, *, clamp: bool = False) -> int:
@@ -36,92 +36,6 @@ def resolve_block(proposer: Proposer, requested: int | None = None, *, clamp: bo
     if not 2 <= block <= trained:
         raise BlockdraftError(f"block size {block} must be between 2 and the drafter's trained block size {trained}")
     return block
-
-
-class DecodeState:
-    """What a batch of sequences being decoded owns: the target's KV cache, the proposer
-    (which keeps its drafter's cache), and every row's committed length and pending token
-    (emitted, not yet in the cache). Rollback after a verify happens in `commit` and
-    nowhere else: for attention caches with slot = position it is the committed length
-    itself (slots past it are never attended and get overwritten); recurrent layers copy
-    their state at the committed length (`target.commit`)."""
-
-    def __init__(self, target: Transformer, proposer: Proposer, batch: int, max_len: int):
-        self.target, self.proposer = target, proposer
-        self.cache = target.new_cache(batch, max_len)
-        proposer.reset(batch, max_len)
-        device = target.device
-        self.committed = torch.zeros(batch, dtype=torch.long, device=device)  # tokens in the target cache
-        self.pending = torch.zeros(batch, dtype=torch.long, device=device)  # last emitted token, not yet cached
-
-    def chain_layout(self, positions: torch.Tensor, group_rows: int = 0):
-        """Cache slots, attention mask [B, 1, T, S] and attention groups for verifying chains of
-        tokens at `positions` [B, T]: a token's slot is its position, and it sees every slot up
-        to its own (the committed context and the block's earlier tokens; stale slots past a
-        row's length are never seen). With `group_rows`, attention runs per range of that many
-        rows, each over the slots its longest row needs (None: one range)."""
-        ends = positions[:, -1].tolist()  # the last position of each row (one host sync)
-        keys = torch.arange(max(ends) + 1, device=positions.device).expand(positions.shape[0], -1)
-        return positions, self.target.attention_mask(positions, keys), self._groups(ends, group_rows)
-
-    def tree_layout(self, tree: DraftTree, committed: torch.Tensor, group_rows: int = 0):
-        """Positions, slots, mask and groups for verifying a tree below rows of `committed` [B]
-        lengths: node i at position committed + depth(i) in slot committed + i; it sees the
-        committed context and its own ancestors (siblings and cousins share positions but not
-        slots)."""
-        b, t = tree.tokens.shape
-        positions = committed[:, None] + tree.depths
-        slots = committed[:, None] + torch.arange(t, device=committed.device)
-        ends = slots[:, -1].tolist()
-        used = max(ends) + 1
-        keys = torch.arange(used, device=committed.device)
-        mask = (keys < committed[:, None])[:, None, :].expand(b, t, used).clone()
-        mask.scatter_(2, slots[:, None, :].expand(b, t, t), tree.visible())
-        window = self.target.config.sliding_window
-        if window is not None:  # key positions: a slot's position, a node's depth-based one
-            key_pos = keys.expand(b, -1).clone().scatter_(1, slots, positions)
-            mask &= key_pos[:, None, :] > positions[:, :, None] - window
-        return positions, slots, mask[:, None], self._groups(ends, group_rows)
-
-    @staticmethod
-    def _groups(ends: list[int], group_rows: int):
-        b = len(ends)
-        if not group_rows or b <= group_rows:
-            return None
-        return [(slice(i, min(i + group_rows, b)), max(ends[i:i + group_rows]) + 1) for i in range(0, b, group_rows)]
-
-    def compact(self, rows: slice, path: torch.Tensor):
-        """Move the keys/values of each row's accepted tree path (node indices [B, P], root
-        first) to consecutive slots after its committed length, the layout a chain leaves."""
-        committed = self.committed[rows]
-        p = path.shape[1]
-        src = committed[:, None] + path
-        dst = committed[:, None] + torch.arange(p, device=path.device)
-        for buf in (self.cache.k, self.cache.v):
-            view = buf[:, rows]  # [L, B, KV, S, D], a view
-            layers, b, kv, _, d = view.shape
-            moved = view.gather(3, src[None, :, None, :, None].expand(layers, b, kv, p, d))
-            view.scatter_(3, dst[None, :, None, :, None].expand(layers, b, kv, p, d), moved)
-
-    def permute(self, order: torch.Tensor):
-        """Reorder the rows (row i becomes old row order[i]), caches included."""
-        self.committed, self.pending = self.committed[order], self.pending[order]
-        self.cache.permute(order)
-        self.proposer.permute(order)
-
-    def start(self, rows: slice, lengths: torch.Tensor, first: torch.Tensor):
-        """Rows `rows` were just prefilled with prompts of `lengths` and emitted `first`."""
-        self.committed[rows], self.pending[rows] = lengths, first
-        self.target.commit(self.cache, rows, self.committed[rows])
-
-    def commit(self, rows: slice, accepted: torch.Tensor, bonus: torch.Tensor, active: torch.Tensor):
-        """After a verify of [pending, drafts...]: active rows keep the pending token and their
-        `accepted` drafts (their slots become committed) and emit `bonus` as the new pending
-        token; inactive rows (finished, free) stay as they were."""
-        committed, pending = self.committed[rows], self.pending[rows]
-        committed.copy_(torch.where(active, committed + accepted + 1, committed))
-        pending.copy_(torch.where(active, bonus, pending))
-        self.target.commit(self.cache, rows, committed)
 
 
 def default_sort_every(proposer: Proposer, slots: int) -> int:
@@ -142,8 +56,17 @@ class DecodeLoop:
     step's draft depth and verified width up to `block_size`.
     """
 
-    def __init__(self, target: Transformer, proposer: Proposer, block_size: int, slots: int, max_len: int,
-                 sort_every: int = 0, group_rows: int | None = None, adaptive: bool = False):
+    def __init__(
+        self,
+        target: Transformer,
+        proposer: Proposer,
+        block_size: int,
+        slots: int,
+        max_len: int,
+        sort_every: int = 0,
+        group_rows: int | None = None,
+        adaptive: bool = False,
+    ):
         block_size = resolve_block(proposer, block_size)
         self.target, self.proposer, self.block_size = target, proposer, block_size
         self.policy = SpeculationPolicy(proposer, block_size, adaptive, target.device)
@@ -229,15 +152,21 @@ class DecodeLoop:
             raise BlockdraftError(f"{len(items)} requests for {len(free)} free slots")
         for _, req, _ in items:
             if len(req.prompt_ids) + req.max_new_tokens + self.block_size > self.max_len:
-                raise BlockdraftError(f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                                      f"({req.max_new_tokens}) does not fit the {self.max_len}-position cache")
+                raise BlockdraftError(
+                    f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                    f"({req.max_new_tokens}) does not fit the {self.max_len}-position cache"
+                )
         out = {}
         run: list = []
         for slot, item in list(zip(free, items, strict=False)) + [(None, None)]:
             if run:
                 width = max(len(r[1][1].prompt_ids) for r in run)
-                if (slot is None or slot != run[-1][0] + 1 or self.target.recurrent
-                        or (len(run) + 1) * max(width, len(item[1].prompt_ids)) > self.PREFILL_TOKENS):
+                if (
+                    slot is None
+                    or slot != run[-1][0] + 1
+                    or self.target.recurrent
+                    or (len(run) + 1) * max(width, len(item[1].prompt_ids)) > self.PREFILL_TOKENS
+                ):
                     out.update(self._prefill(run))
                     run = []
             if slot is not None:
@@ -263,8 +192,9 @@ class DecodeLoop:
             cache, prefix = self.state.cache, self.prefix_cache
             cache.k[:, rows, :, :shared] = prefix.k[:, :, :, :shared]
             cache.v[:, rows, :, :shared] = prefix.v[:, :, :, :shared]
-        hidden, features = self.target(tokens[:, shared:], positions[:, shared:], self.state.cache, rows=rows,
-                                       capture=self.proposer.capture_layers)
+        hidden, features = self.target(
+            tokens[:, shared:], positions[:, shared:], self.state.cache, rows=rows, capture=self.proposer.capture_layers
+        )
         if shared and features is not None:
             features = torch.cat([self.prefix_features.expand(count, -1, -1), features], dim=1)
         last = hidden[torch.arange(count, device=device), lengths - 1 - shared]
@@ -278,8 +208,11 @@ class DecodeLoop:
         scored = {}
         if want:  # only rows that asked pay for log-probabilities
             at = torch.tensor(want, device=device)
-            scored = dict(zip(want, token_logprobs(logits[at], first[at][:, None], [reqs[i].logprobs for i in want]),
-                              strict=False))
+            scored = dict(
+                zip(
+                    want, token_logprobs(logits[at], first[at][:, None], [reqs[i].logprobs for i in want]), strict=False
+                )
+            )
         self.proposer.observe(tokens, features, positions, rows=rows, valid=lengths)
         self.state.start(rows, lengths, first)
         out = {}
@@ -303,8 +236,11 @@ class DecodeLoop:
                 raise RuntimeError(f"grammar refused emitted token {t}: the masks and the sampler disagree")
 
     def _grammar_rows(self, rows: int) -> list[int]:
-        return [b for b in range(rows) if self.matchers[b] is not None
-                and self.states[b] is not None and not self.states[b].finished]
+        return [
+            b
+            for b in range(rows)
+            if self.matchers[b] is not None and self.states[b] is not None and not self.states[b].finished
+        ]
 
     def _constrain(self, drafts: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """A chain's drafts of grammar rows made to follow their grammars (`chain_masks`, with the
@@ -341,7 +277,7 @@ class DecodeLoop:
             bad = []
             for i, b in enumerate(range(rows.start, rows.stop)):
                 try:
-                    sample_tokens(logits[i: i + 1], positions[i: i + 1], self.params[b: b + 1])
+                    sample_tokens(logits[i : i + 1], positions[i : i + 1], self.params[b : b + 1])
                 except Exception as exc:  # noqa: BLE001 - any failure of this row's own sampling
                     bad.append((b, f"{type(exc).__name__}: {exc}"))
             if not bad:
@@ -351,8 +287,14 @@ class DecodeLoop:
                 self.params[b] = SamplingParams(0.0)
             return sample_tokens(logits, positions, self.params[rows]), {self.keys[b]: why for b, why in bad}
 
-    def _logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, path: torch.Tensor | None,
-                  accepted: list[int], scoring: list[int]) -> dict[int, list[tuple]]:
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        target_ids: torch.Tensor,
+        path: torch.Tensor | None,
+        accepted: list[int],
+        scoring: list[int],
+    ) -> dict[int, list[tuple]]:
         """The scores (`token_logprobs`) of the tokens rows `scoring` emit this step: row b's
         accepted drafts and bonus token are the target's own tokens at its first accepted[b] + 1
         verified positions (chain) or at the nodes of its accepted path (tree)."""
@@ -398,8 +340,9 @@ class DecodeLoop:
         live = [self.keys[b] is not None and not self.states[b].finished for b in range(rows.stop)]
         t0 = clock(device)
         depth = policy.plan(batch)
-        chosen = policy.select(self.proposer.propose(pending, committed, depth, rows=rows, probs=policy.wants_probs),
-                               pending, batch)
+        chosen = policy.select(
+            self.proposer.propose(pending, committed, depth, rows=rows, probs=policy.wants_probs), pending, batch
+        )
         t1 = clock(device)
         policy.drafted(batch, t1 - t0)
         tree = chosen if self.proposer.drafts_trees else None
@@ -415,8 +358,16 @@ class DecodeLoop:
             slots, mask, groups = self.state.chain_layout(positions, group_rows)
         grammar_seconds = time.perf_counter() - tg
         width = block.shape[1]  # the verified tokens: the pending one and the drafts
-        hidden, features = self.target(block, positions, self.state.cache, slots=slots, mask=mask, rows=rows,
-                                       groups=groups, capture=self.proposer.capture_layers)
+        hidden, features = self.target(
+            block,
+            positions,
+            self.state.cache,
+            slots=slots,
+            mask=mask,
+            rows=rows,
+            groups=groups,
+            capture=self.proposer.capture_layers,
+        )
         logits = self.target.logits(hidden)
         self.proposer.observe_logits(logits, positions, rows)
         tg = time.perf_counter()
@@ -461,12 +412,22 @@ class DecodeLoop:
                 keep_logprobs(state, scored[b], before)
             finished[self.keys[b]] = state.finished
         # Finished and free rows stay frozen: recomputed at the same positions, harmlessly.
-        active = torch.tensor([self.keys[b] is not None and not self.states[b].finished
-                               for b in range(rows.stop)], device=device)
+        active = torch.tensor(
+            [self.keys[b] is not None and not self.states[b].finished for b in range(rows.stop)], device=device
+        )
         self.state.commit(rows, accepted, bonus, active)
         self.proposer.observe(block, features, positions, rows=rows, valid=self.state.committed[rows].clone())
         t3 = time.perf_counter()
         finished.update({k: True for k in failed})
-        return Step(new_ids, finished, draft_seconds=t1 - t0, verify_seconds=t2 - t1, total_seconds=t3 - t0,
-                    grammar_seconds=grammar_seconds,
-                    batch=batch, block_size=width, drafted=policy.depth, failed=failed)
+        return Step(
+            new_ids,
+            finished,
+            draft_seconds=t1 - t0,
+            verify_seconds=t2 - t1,
+            total_seconds=t3 - t0,
+            grammar_seconds=grammar_seconds,
+            batch=batch,
+            block_size=width,
+            drafted=policy.depth,
+            failed=failed,
+        )

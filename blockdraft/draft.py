@@ -27,13 +27,15 @@ from .checkpoint import load_weights, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
+
 # (DraftConfig is also imported from here, with the drafter it configures)
 from .draft_config import DraftConfig, read_draft_config
 from .draft_head import FloatHead, Int8Head
 
 
-def sliding_mask(mask: torch.Tensor, positions: torch.Tensor, context_positions: torch.Tensor,
-                 window: int) -> torch.Tensor:
+def sliding_mask(
+    mask: torch.Tensor, positions: torch.Tensor, context_positions: torch.Tensor, window: int
+) -> torch.Tensor:
     """A drafter mask [B, 1, Tq, C + Tq] for a sliding-window layer: a query at position q keeps
     only the context keys at positions > q - window (its own block stays visible)."""
     near = context_positions[:, None, None, :] > positions[:, None, :, None] - window
@@ -210,16 +212,18 @@ class DrafterBase(nn.Module):
         token before it, `previous` [B] (target ids)."""
         return logits + self.markov_head(previous).to(logits.dtype)
 
-    def draft_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                     previous: torch.Tensor | None = None) -> torch.Tensor:
+    def draft_tokens(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Greedy draft token ids (target ids) from final hidden states [..., H] (a block's
         [B, n, H] with `previous` [B], the token before it, where the drafter has a Markov head)."""
         if getattr(self, "markov_head", None) is not None and previous is not None:
             return self.markov_chain(hidden, lm_head_weight, previous)[0]
         return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
 
-    def best_allowed(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: int,
-                     mask: torch.Tensor) -> int | None:
+    def best_allowed(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: int, mask: torch.Tensor
+    ) -> int | None:
         """The most probable token (target id) among those `mask` [vocab] allows at one draft
         position (final hidden state [H]; `previous` the token before it, for a Markov head), or
         None if the drafter's vocabulary holds none of them."""
@@ -251,16 +255,19 @@ class DrafterBase(nn.Module):
 
         return self.to_target_ids(top.indices), top.values, children
 
-    def draft_candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int,
-                         previous: torch.Tensor | None = None):
+    def draft_candidates(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, k: int, previous: torch.Tensor | None = None
+    ):
         """The k most probable draft tokens (target ids) at each position and their
         probabilities, most probable first: ([..., k], [..., k]). With a Markov head (and the
         token before the block, `previous`) only the chain: k = 1, each position's probabilities
         given the token drafted before it."""
         if getattr(self, "markov_head", None) is not None and previous is not None:
             if k != 1:
-                raise BlockdraftError("a drafter with a Markov head has per-branch candidates (each position "
-                                      "depends on the token before it): use markov_candidates for a tree")
+                raise BlockdraftError(
+                    "a drafter with a Markov head has per-branch candidates (each position "
+                    "depends on the token before it): use markov_candidates for a tree"
+                )
             tokens, logits = self.markov_chain(hidden, lm_head_weight, previous)
             probs = torch.softmax(logits.float(), dim=-1).max(-1).values
             return tokens[..., None], probs[..., None]
@@ -271,8 +278,10 @@ class DrafterBase(nn.Module):
     def save(self, folder: str | Path, dtype: torch.dtype | None = None):
         """Write `config.json` + `model.safetensors` atomically (a temp folder, then rename)."""
         if isinstance(self.head, Int8Head):
-            raise BlockdraftError("this drafter runs from int8 copies of its weights (inference only): "
-                                  "save the fp32 drafter it was made from")
+            raise BlockdraftError(
+                "this drafter runs from int8 copies of its weights (inference only): "
+                "save the fp32 drafter it was made from"
+            )
         write_model_folder(folder, self.config.to_dict(), self.state_dict(), dtype)
 
     def register_draft_vocab(self, size: int | None):
@@ -282,6 +291,7 @@ class DrafterBase(nn.Module):
 
 class DFlashDrafter(DrafterBase):
     kind = "dflash"
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
@@ -298,13 +308,20 @@ class DFlashDrafter(DrafterBase):
         # only these target token ids, which makes its LM head (the bulk of its cost) smaller.
         draft_vocab = cfg.extra.get("blockdraft", {}).get("draft_vocab_size")
         self.register_draft_vocab(draft_vocab)
-        self.markov_head = (MarkovHead(cfg.vocab_size, draft_vocab or cfg.vocab_size, cfg.markov_rank)
-                            if cfg.markov_rank else None)
+        self.markov_head = (
+            MarkovHead(cfg.vocab_size, draft_vocab or cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank else None
+        )
 
-    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor,
-                context: torch.Tensor | None = None, context_positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, cache: DraftCache | None = None,
-                rows: slice = slice(None)) -> torch.Tensor:
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        positions: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: DraftCache | None = None,
+        rows: slice = slice(None),
+    ) -> torch.Tensor:
         """Denoise blocks in one pass; returns final-norm hidden states [B, Tq, H].
 
         noise_embedding [B, Tq, H]: target embeddings of the block tokens at `positions` [B, Tq].
@@ -333,7 +350,7 @@ class DFlashDrafter(DrafterBase):
         for i, layer in enumerate(self.layers):
             if i >= self.context_layers:  # this layer sees its block only
                 empty = x.new_zeros(x.shape[0], layer.self_attn.kv_heads, 0, layer.self_attn.head_dim)
-                x = layer(x, cos, sin, empty, empty, mask[..., mask.shape[-1] - x.shape[1]:])
+                x = layer(x, cos, sin, empty, empty, mask[..., mask.shape[-1] - x.shape[1] :])
                 continue
             if cache is None:
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
@@ -346,8 +363,14 @@ class DFlashDrafter(DrafterBase):
             x = layer(x, cos, sin, ctx_k, ctx_v, mask if window is None else windowed[window])
         return self.norm(x)
 
-    def write_context(self, cache: DraftCache, context: torch.Tensor, positions: torch.Tensor,
-                      rows: slice = slice(None), valid: torch.Tensor | None = None):
+    def write_context(
+        self,
+        cache: DraftCache,
+        context: torch.Tensor,
+        positions: torch.Tensor,
+        rows: slice = slice(None),
+        valid: torch.Tensor | None = None,
+    ):
         """Project context features [B, C, k*H] into every layer's cached K/V at their
         positions [B, C], for batch rows `rows` (the KV injection, done once per token).
         `valid` [B]: each row's committed length after this write (needed with a window)."""

@@ -59,8 +59,10 @@ class DraftConfig:
         if types is None:
             return
         if len(types) != self.num_hidden_layers or not set(types) <= {"full_attention", "sliding_attention"}:
-            raise BlockdraftError(f"drafter layer_types must list 'full_attention' or 'sliding_attention' for each "
-                                  f"of the {self.num_hidden_layers} layers, got {types}")
+            raise BlockdraftError(
+                f"drafter layer_types must list 'full_attention' or 'sliding_attention' for each "
+                f"of the {self.num_hidden_layers} layers, got {types}"
+            )
         if "sliding_attention" in types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
             raise BlockdraftError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
 
@@ -86,11 +88,20 @@ class DraftConfig:
         return self.extra.get("blockdraft", {}).get("train_context")
 
     @classmethod
-    def for_target(cls, target: TargetConfig, *, num_layers: int = 5, block_size: int = 16,
-                   mask_token_id: int, target_layer_ids: list[int] | None = None,
-                   intermediate_size: int | None = None, sliding_window: int | None = None,
-                   full_layers: list[int] | None = None, markov_rank: int = 0,
-                   sample_from_anchor: bool = False) -> DraftConfig:
+    def for_target(
+        cls,
+        target: TargetConfig,
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+        sliding_window: int | None = None,
+        full_layers: list[int] | None = None,
+        markov_rank: int = 0,
+        sample_from_anchor: bool = False,
+    ) -> DraftConfig:
         """A drafter shaped like the target's layers (the published recipe). With
         `sliding_window`, every layer not in `full_layers` is a sliding-window layer."""
         ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
@@ -129,11 +140,16 @@ class DraftConfig:
             dspark = (raw.get("architectures") or [ARCHITECTURE])[0] == DSPARK_ARCHITECTURE
             if dspark:
                 # DSpark's layout keeps the mask token and target layers at the top level
-                dflash = {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": raw.get("target_layer_ids"),
-                          **{k: v for k, v in dflash.items() if v is not None}}
+                dflash = {
+                    "mask_token_id": raw.get("mask_token_id"),
+                    "target_layer_ids": raw.get("target_layer_ids"),
+                    **{k: v for k, v in dflash.items() if v is not None},
+                }
                 if raw.get("enable_confidence_head"):
-                    raise BlockdraftError("a DSpark drafter with a confidence head is not supported "
-                                          "(the head is unused by lossless verification; export it without one)")
+                    raise BlockdraftError(
+                        "a DSpark drafter with a confidence head is not supported "
+                        "(the head is unused by lossless verification; export it without one)"
+                    )
             heads = raw["num_attention_heads"]
             layers = raw["num_hidden_layers"]
             ids = dflash.get("target_layer_ids") or build_target_layer_ids(raw["num_target_layers"], layers)
@@ -210,10 +226,17 @@ class DraftConfig:
         if self.markov_rank:  # a Markov head: the folder says it is DSpark's (DeepSpec's class and keys), so that
             # every engine either runs all of it or refuses it (the authors' DFlash class would drop the head)
             anchors = (self.extra.get("blockdraft") or {}).get("num_anchors", 32)
-            out.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": self.mask_token_id,
-                        "target_layer_ids": list(self.target_layer_ids), "num_anchors": anchors,
-                        "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
-                        "enable_confidence_head": False})
+            out.update(
+                {
+                    "architectures": [DSPARK_ARCHITECTURE],
+                    "mask_token_id": self.mask_token_id,
+                    "target_layer_ids": list(self.target_layer_ids),
+                    "num_anchors": anchors,
+                    "markov_rank": self.markov_rank,
+                    "markov_head_type": "vanilla",
+                    "enable_confidence_head": False,
+                }
+            )
         if self.markov_rank or self.sample_from_anchor:  # the layout, where a DSpark reader looks for it
             out["sample_from_anchor"] = self.sample_from_anchor
         for key, value in self.extra.items():
@@ -239,6 +262,7 @@ def read_draft_config(folder) -> dict:
     from .checkpoint import read_config
 
     return read_config(folder, ARCHITECTURE, DSPARK_ARCHITECTURE, label=LABEL)
+
 
 # the config.json keys of a Markov head (DSpark's names)
 MARKOV_KEYS = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")

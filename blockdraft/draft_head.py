@@ -74,8 +74,12 @@ class Int8Head(FloatHead):
         if torch.is_grad_enabled():
             return super().logits(flat, lm_head_weight, vocab)
         # (the int8 rows only: no float copy of the gathered rows is kept)
-        head = self.keep("int8", lm_head_weight, vocab, lambda: Int8Linear.from_float(
-            lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab]))
+        head = self.keep(
+            "int8",
+            lm_head_weight,
+            vocab,
+            lambda: Int8Linear.from_float(lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab]),
+        )
         return head(flat)
 
 

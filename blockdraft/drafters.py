@@ -84,6 +84,7 @@ def kind_of(drafter) -> DrafterKind:
 
 # ---- DFlash ------------------------------------------------------------------------------
 
+
 def _dflash_load(folder, device=None, dtype=None):
     from .draft import DFlashDrafter
 
@@ -93,11 +94,17 @@ def _dflash_load(folder, device=None, dtype=None):
 def _dflash_build(target_config, cfg, draft_vocab_size):
     from .draft import DFlashDrafter, DraftConfig
 
-    draft_cfg = DraftConfig.for_target(target_config, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                       mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
-                                       sliding_window=cfg.sliding_window, full_layers=cfg.full_layers,
-                                       markov_rank=cfg.markov_rank,
-                                       sample_from_anchor=cfg.draft_layout == "anchor")
+    draft_cfg = DraftConfig.for_target(
+        target_config,
+        num_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=cfg.target_layer_ids,
+        sliding_window=cfg.sliding_window,
+        full_layers=cfg.full_layers,
+        markov_rank=cfg.markov_rank,
+        sample_from_anchor=cfg.draft_layout == "anchor",
+    )
     # what the published format cannot say: the longest context trained on (the default
     # --draft-window when decoding), an ablation's context mode, a draft vocabulary
     ours = {"train_context": cfg.max_seq_len, "num_anchors": cfg.num_anchors}
@@ -127,14 +134,28 @@ def _dflash_proposer(drafter, target):
     return DFlashProposer(drafter, target)
 
 
-register(DrafterKind(
-    "dflash", LABEL, ARCHITECTURE, "--draft", "drafter", _dflash_load, _dflash_build, _dflash_init,
-    _dflash_train_hidden, _dflash_proposer, soft_labels=True,
-    describe=lambda d: f"{len(d.layers)} layer(s)" + (f", Markov head rank {d.config.markov_rank}"
-                                                       if d.config.markov_rank else "")))
+register(
+    DrafterKind(
+        "dflash",
+        LABEL,
+        ARCHITECTURE,
+        "--draft",
+        "drafter",
+        _dflash_load,
+        _dflash_build,
+        _dflash_init,
+        _dflash_train_hidden,
+        _dflash_proposer,
+        soft_labels=True,
+        describe=lambda d: (
+            f"{len(d.layers)} layer(s)" + (f", Markov head rank {d.config.markov_rank}" if d.config.markov_rank else "")
+        ),
+    )
+)
 
 
 # ---- the EAGLE-3-style baseline ----------------------------------------------------------
+
 
 def _eagle_load(folder, device=None, dtype=None):
     from .eagle import EagleDrafter
@@ -147,16 +168,21 @@ def _eagle_build(target_config, cfg, draft_vocab_size):
 
     if cfg.markov_rank:
         raise BlockdraftError("--markov-rank adds a Markov head to a DFlash drafter (--arch dflash)")
-    return EagleDrafter(EagleConfig.for_target(target_config, block_size=cfg.block_size,
-                                               target_layer_ids=cfg.target_layer_ids,
-                                               draft_vocab_size=draft_vocab_size))
+    return EagleDrafter(
+        EagleConfig.for_target(
+            target_config,
+            block_size=cfg.block_size,
+            target_layer_ids=cfg.target_layer_ids,
+            draft_vocab_size=draft_vocab_size,
+        )
+    )
 
 
 def _eagle_train_hidden(model, target, batch, tokens, features, positions):
     """EAGLE-3's training-time test: from each anchor, the chain fed the answer's own tokens."""
     n, b, dev = tokens.shape[0], int(batch.offsets[0].max()) + 1, tokens.device  # b: the block size
     anchors = batch.block_positions[:, ::b].to(dev)
-    later = batch.labels.view(n, -1, b)[:, :, 1:b - 1].clamp(min=0)  # x_{a+1} .. x_{a+B-2}
+    later = batch.labels.view(n, -1, b)[:, :, 1 : b - 1].clamp(min=0)  # x_{a+1} .. x_{a+B-2}
     forced = torch.cat([batch.block_tokens[:, ::b, None], later], dim=2).to(dev)
     return model(target.embed, tokens, features, anchors, forced)
 
@@ -173,6 +199,18 @@ def _eagle_proposer(drafter, target):
     return EagleProposer(drafter, target)
 
 
-register(DrafterKind(
-    "eagle3", "EAGLE-3-style drafter", "Eagle3DraftModel", "--eagle", "eagle", _eagle_load, _eagle_build, _eagle_init,
-    _eagle_train_hidden, _eagle_proposer, describe=lambda d: "1 layer"))
+register(
+    DrafterKind(
+        "eagle3",
+        "EAGLE-3-style drafter",
+        "Eagle3DraftModel",
+        "--eagle",
+        "eagle",
+        _eagle_load,
+        _eagle_build,
+        _eagle_init,
+        _eagle_train_hidden,
+        _eagle_proposer,
+        describe=lambda d: "1 layer",
+    )
+)

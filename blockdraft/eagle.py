@@ -55,16 +55,30 @@ class EagleConfig:
     draft_vocab_size: int | None = None
 
     @classmethod
-    def for_target(cls, target: TargetConfig, *, block_size: int = 8, target_layer_ids: list[int] | None = None,
-                   draft_vocab_size: int | None = None) -> EagleConfig:
-        return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
-                   num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-                   intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
-                   num_target_layers=target.num_hidden_layers,
-                   target_layer_ids=list(target_layer_ids or eagle_layer_ids(target.num_hidden_layers)),
-                   block_size=block_size, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-                   rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
-                   draft_vocab_size=draft_vocab_size)
+    def for_target(
+        cls,
+        target: TargetConfig,
+        *,
+        block_size: int = 8,
+        target_layer_ids: list[int] | None = None,
+        draft_vocab_size: int | None = None,
+    ) -> EagleConfig:
+        return cls(
+            hidden_size=target.hidden_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=list(target_layer_ids or eagle_layer_ids(target.num_hidden_layers)),
+            block_size=block_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+            draft_vocab_size=draft_vocab_size,
+        )
 
     def to_dict(self) -> dict:
         return {"architectures": [ARCHITECTURE], **asdict(self)}
@@ -122,8 +136,9 @@ class EagleDrafter(DrafterBase):
 
     # ---- training: the training-time test ------------------------------------------------
 
-    def forward(self, embed, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                teacher: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embed, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, teacher: torch.Tensor
+    ) -> torch.Tensor:
         """Hidden states [N, A*B, H] laid out like DFlash blocks (block offset k holds chain
         step k, predicting x_{a+k}; offset 0 is unused).
 
@@ -165,5 +180,8 @@ class EagleDrafter(DrafterBase):
     def check_target(self, target: TargetConfig):
         cfg = self.config
         if (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) != (
-                target.hidden_size, target.vocab_size, target.num_hidden_layers):
+            target.hidden_size,
+            target.vocab_size,
+            target.num_hidden_layers,
+        ):
             raise BlockdraftError("EAGLE drafter does not match the target (hidden size, vocabulary or depth)")

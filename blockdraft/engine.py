@@ -100,15 +100,25 @@ def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype)
     if choice == "auto":
         return "int8" if int8_drafters_pay(device, dtype) else "float"
     if choice == "int8" and (device.type != "cpu" or not int4_available()):
-        raise BlockdraftError("int8 drafter weights run on CPU with torch's int8 kernel (torch >= 2.6); "
-                              "use --draft-weights float here")
+        raise BlockdraftError(
+            "int8 drafter weights run on CPU with torch's int8 kernel (torch >= 2.6); use --draft-weights float here"
+        )
     return choice
 
 
 class Engine:
-    def __init__(self, target: Transformer, tokenizer, drafter: DFlashDrafter | None = None,
-                 target_name: str = "", draft_note: str | None = None, eagle=None, default_target: bool = False,
-                 packed: bool = False, draft_weights: str = "float"):
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer,
+        drafter: DFlashDrafter | None = None,
+        target_name: str = "",
+        draft_note: str | None = None,
+        eagle=None,
+        default_target: bool = False,
+        packed: bool = False,
+        draft_weights: str = "float",
+    ):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self._grammar_lock = threading.Lock()
         self._grammars: dict = {}  # compiled grammars by spec, newest last (`grammar`)
@@ -129,10 +139,19 @@ class Engine:
         self.stop_token_ids = stop_token_ids(target_name, tokenizer)
 
     @classmethod
-    def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
-             device=None, dtype: torch.dtype | str | None = None, use_draft: bool = True,
-             eagle: str | Path | None = None, packed: bool = True,
-             draft_weights: str = "auto", exact: bool = True) -> Engine:
+    def load(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        *,
+        device=None,
+        dtype: torch.dtype | str | None = None,
+        use_draft: bool = True,
+        eagle: str | Path | None = None,
+        packed: bool = True,
+        draft_weights: str = "auto",
+        exact: bool = True,
+    ) -> Engine:
         """Load a target folder (default: SmolLM2-135M-Instruct) and a drafter folder
         (default: the one shipped for that target, if any). `use_draft=False` skips it.
         `eagle` names an EAGLE-3-style drafter folder (method "eagle3"; default: the shipped one,
@@ -164,8 +183,9 @@ class Engine:
             from .models.quant import QUANTIZED
 
             if quantized not in QUANTIZED:
-                raise BlockdraftError(f"unknown weight format {quantized!r}; choose a torch dtype or one of "
-                                      f"{', '.join(QUANTIZED)}")
+                raise BlockdraftError(
+                    f"unknown weight format {quantized!r}; choose a torch dtype or one of {', '.join(QUANTIZED)}"
+                )
             dev, dtype = torch.device("cpu"), torch.float32
         device = torch.device(device or dev)
         if dtype is None:
@@ -192,8 +212,16 @@ class Engine:
             draft = shipped_drafter(drafters.PRIMARY) if target is None else None
             if draft is None:
                 note = "no trained drafter is shipped for this target yet: pass --draft DIR, or use --method ar"
-        engine = cls(model, tokenizer, None, target_name=str(folder), draft_note=note,
-                     default_target=target is None, packed=packed, draft_weights=draft_weights)
+        engine = cls(
+            model,
+            tokenizer,
+            None,
+            target_name=str(folder),
+            draft_note=note,
+            default_target=target is None,
+            packed=packed,
+            draft_weights=draft_weights,
+        )
         engine.dtype_reason = reason
         for name, path in ((drafters.PRIMARY, draft if use_draft else None), ("eagle3", eagle)):
             if path is not None:
@@ -247,13 +275,25 @@ class Engine:
 
     # ---- generation ----------------------------------------------------------------
 
-    def generate(self, prompts, *, chat: bool = False, method: str | SpecConfig = "dflash",
-                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None,
-                 stop: str | list[str] | None = None, block_size: int | None = None,
-                 proposer: Proposer | None = None, shared_prefix: list[int] | None = None,
-                 on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
-                 grammar: GrammarSpec | Grammar | None = None):
+    def generate(
+        self,
+        prompts,
+        *,
+        chat: bool = False,
+        method: str | SpecConfig = "dflash",
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        block_size: int | None = None,
+        proposer: Proposer | None = None,
+        shared_prefix: list[int] | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+        cancel: threading.Event | None = None,
+        grammar: GrammarSpec | Grammar | None = None,
+    ):
         """Generate for one prompt (returns a `Generation`) or a list of them (returns a list).
 
         Prompts are strings (with `chat=True`, wrapped in the target's chat template as one
@@ -270,19 +310,36 @@ class Engine:
         `GrammarSpec("json_schema", schema)`, "json_object", "regex", "choice", "lark") or a compiled
         `Grammar`; every method's output then equals `ar`'s under the same grammar.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         spec = SpecConfig.of(method, block_size).build(self, proposer)  # 'dflash@8', 'dflash-tree@32'
         proposer, block_size = spec.proposer, spec.block
         compiled = self.grammar(grammar)
-        rows = [self.make_row(self.encode(prompt, chat), max_new_tokens, temperature, top_p, top_k,
-                              None if seed is None else seed + i, stop, compiled) for i, prompt in enumerate(batch)]
+        rows = [
+            self.make_row(
+                self.encode(prompt, chat),
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                None if seed is None else seed + i,
+                stop,
+                compiled,
+            )
+            for i, prompt in enumerate(batch)
+        ]
         states: list[SequenceState] = []
         steps = []
         t0 = time.perf_counter()
-        for step in generate_steps(self.target, proposer, [r.request for r in rows], block_size, states,
-                                   shared_prefix=shared_prefix, adaptive=spec.adaptive):
+        for step in generate_steps(
+            self.target,
+            proposer,
+            [r.request for r in rows],
+            block_size,
+            states,
+            shared_prefix=shared_prefix,
+            adaptive=spec.adaptive,
+        ):
             steps.append(step)
             if cancel is not None and cancel.is_set():
                 for state in states:
@@ -295,8 +352,10 @@ class Engine:
                         if delta:
                             on_text(i, delta)
         elapsed = time.perf_counter() - t0
-        results = [self._result(row, state, steps, elapsed, spec.method, block_size)
-                   for row, state in zip(rows, states, strict=False)]
+        results = [
+            self._result(row, state, steps, elapsed, spec.method, block_size)
+            for row, state in zip(rows, states, strict=False)
+        ]
         return results[0] if single else results
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
@@ -354,21 +413,36 @@ class Engine:
                 cache[key] = Grammar(spec, self.tokenizer, self.target.config.vocab_size, tuple(self.stop_token_ids))
             return cache[key]
 
-    def make_row(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-                 grammar=None) -> Row:
+    def make_row(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        grammar=None,
+    ) -> Row:
         """A request with its sampling parameters, stop tokens, stop strings and grammar (compiled:
         `Engine.grammar`)."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise BlockdraftError("stop strings must be non-empty")
-        req = Request(list(prompt_ids), max_new_tokens, SamplingParams(temperature, top_p, top_k, seed),
-                      tuple(self.stop_token_ids), grammar=grammar)
+        req = Request(
+            list(prompt_ids),
+            max_new_tokens,
+            SamplingParams(temperature, top_p, top_k, seed),
+            tuple(self.stop_token_ids),
+            grammar=grammar,
+        )
         row = Row(req, TextStream(self.tokenizer, stops), stops)
         if stops:
+
             def check(ids: list[int]) -> int | None:  # incremental: only new text is decoded and searched
                 row.stream.feed(ids)
                 return row.stream.stop_keep
+
             req.stop_check = check
         return row
 
@@ -402,4 +476,3 @@ class Engine:
             grammar_seconds=sum(s.grammar_seconds for s in steps),
             steps=len(lengths),
         )
-

@@ -33,9 +33,19 @@ from .draft_config import ARCHITECTURE, DSPARK_ARCHITECTURE, PUBLISHED_KEYS, rea
 from .errors import BlockdraftError
 
 # the published drafter's weights (Qwen3-style decoder layers, the fused-context projection)
-LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                 "input_layernorm", "post_attention_layernorm")
+LAYER_WEIGHTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
 
 
 def published_weight_names(num_layers: int, attention_bias: bool = False) -> set[str]:
@@ -47,8 +57,9 @@ def published_weight_names(num_layers: int, attention_bias: bool = False) -> set
     return names
 
 
-def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
-                   markov_head: bool = True) -> dict:
+def export_drafter(
+    src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, markov_head: bool = True
+) -> dict:
     """Write drafter folder `src` to `out` in the published format (DSpark's layout for a drafter with
     a Markov head), weights in `dtype`. Returns what was dropped and how it was written
     ({"draft_vocab_size": N or None, "config": [dropped keys], "layout": a few words}).
@@ -57,8 +68,10 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     raw = read_draft_config(src)
     ours = raw.get("blockdraft") or {}
     if ours.get("context_mode", "kv") != "kv":
-        raise BlockdraftError(f"{src}: a drafter trained with context_mode={ours['context_mode']!r} (an "
-                              "ablation) has no equivalent in the published format")
+        raise BlockdraftError(
+            f"{src}: a drafter trained with context_mode={ours['context_mode']!r} (an "
+            "ablation) has no equivalent in the published format"
+        )
     drafter = DFlashDrafter.load(src)
     cfg = drafter.config
     config = {k: v for k, v in cfg.to_dict().items() if k in PUBLISHED_KEYS}
@@ -68,16 +81,26 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     expected = published_weight_names(cfg.num_hidden_layers, cfg.attention_bias)
     markov = cfg.markov_rank if markov_head else 0
     if cfg.sample_from_anchor and not markov:
-        raise BlockdraftError(f"{src}: a drafter in DSpark's block layout (every slot drafts, sample_from_anchor) "
-                              "has no equivalent in the published DFlash format; export it with its Markov head")
+        raise BlockdraftError(
+            f"{src}: a drafter in DSpark's block layout (every slot drafts, sample_from_anchor) "
+            "has no equivalent in the published DFlash format; export it with its Markov head"
+        )
     if cfg.markov_rank and not markov_head:
         state = {k: v for k, v in state.items() if not k.startswith("markov_head.")}
     if markov:
-        config.update({"architectures": [DSPARK_ARCHITECTURE], "mask_token_id": cfg.mask_token_id,
-                       "target_layer_ids": list(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
-                       "markov_head_type": "vanilla", "sample_from_anchor": cfg.sample_from_anchor,
-                       "num_anchors": ours.get("num_anchors", 32), "enable_confidence_head": False,
-                       "confidence_head_with_markov": False})
+        config.update(
+            {
+                "architectures": [DSPARK_ARCHITECTURE],
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+                "markov_rank": cfg.markov_rank,
+                "markov_head_type": "vanilla",
+                "sample_from_anchor": cfg.sample_from_anchor,
+                "num_anchors": ours.get("num_anchors", 32),
+                "enable_confidence_head": False,
+                "confidence_head_with_markov": False,
+            }
+        )
         vocab_ids = getattr(drafter, "draft_vocab", None)
         w2 = state["markov_head.markov_w2.weight"]
         if vocab_ids is not None:
@@ -90,20 +113,38 @@ def export_drafter(src: str | Path, out: str | Path, dtype: torch.dtype = torch.
     write_model_folder(out, config, state, dtype)
     vocab, context = ours.get("draft_vocab_size"), ours.get("train_context")
     anchor = "true" if cfg.sample_from_anchor else "false"
-    how = (f"DSpark's format with `sample_from_anchor: {anchor}` (a DFlash backbone and a rank-"
-           f"{markov} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
-           "`dspark`) read it" + (", DeepSpec's and SGLang's DSpark loaders too" if cfg.sample_from_anchor else
-                                  "; SGLang refuses this block layout") if markov else
-           "The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
-           "(`--speculative-algorithm DFLASH`)")
+    how = (
+        f"DSpark's format with `sample_from_anchor: {anchor}` (a DFlash backbone and a rank-"
+        f"{markov} Markov head): llama.cpp's converter (`--spec-type draft-dspark`) and vLLM (method "
+        "`dspark`) read it"
+        + (
+            ", DeepSpec's and SGLang's DSpark loaders too"
+            if cfg.sample_from_anchor
+            else "; SGLang refuses this block layout"
+        )
+        if markov
+        else "The published DFlash format: load with vLLM (`--speculative-config` method `dflash`) or SGLang "
+        "(`--speculative-algorithm DFLASH`)"
+    )
     (Path(out) / "README.md").write_text(
         f"# {'DSpark-style' if markov else 'DFlash'} drafter (exported by blockdraft)\n\n"
         f"{how}. Block size {cfg.block_size}, {cfg.num_hidden_layers} layers, "
         f"target layers {list(cfg.target_layer_ids)}, mask token id {cfg.mask_token_id}.\n\n"
-        + (f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
-           f"the target's whole vocabulary.\n\n" if vocab else "")
-        + (f"Trained on sequences of up to {context} tokens: SGLang's `--speculative-draft-window-size {context}` "
-           f"keeps its draft context within what it learned.\n" if context else ""))
-    return {"draft_vocab_size": vocab, "config": sorted(set(raw) - set(config) - {"dtype"}),
-            "layout": "DSpark's layout (Qwen3DSparkModel, a Markov head)" if markov else
-                      "the published DFlash format"}
+        + (
+            f"Trained with a draft vocabulary of {vocab} tokens, which the format cannot carry: it now scores "
+            f"the target's whole vocabulary.\n\n"
+            if vocab
+            else ""
+        )
+        + (
+            f"Trained on sequences of up to {context} tokens: SGLang's `--speculative-draft-window-size {context}` "
+            f"keeps its draft context within what it learned.\n"
+            if context
+            else ""
+        )
+    )
+    return {
+        "draft_vocab_size": vocab,
+        "config": sorted(set(raw) - set(config) - {"dtype"}),
+        "layout": "DSpark's layout (Qwen3DSparkModel, a Markov head)" if markov else "the published DFlash format",
+    }

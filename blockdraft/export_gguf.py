@@ -32,15 +32,26 @@ ARCH = "dflash"
 WEIGHT_TYPES = ("F16", "BF16", "Q8_0", "F32")
 # our weight names -> llama.cpp's (per layer, then the drafter's own)
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
-TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-             "norm.weight": "output_norm.weight",
-             # a Markov head (llama.cpp runs a drafter GGUF holding these as draft-dspark)
-             "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight"}
+TOP_NAMES = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+    # a Markov head (llama.cpp runs a drafter GGUF holding these as draft-dspark)
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+}
 
 
 def gguf_name(name: str) -> str:
@@ -59,7 +70,8 @@ def check_runnable(cfg, target_layers: int) -> None:
     if any(i >= last for i in cfg.target_layer_ids):
         raise BlockdraftError(
             f"target layer ids {list(cfg.target_layer_ids)}: llama.cpp reads the INPUT of layer id + 1, and the "
-            f"target's last layer ({last}) has no next layer; retrain with ids below {last}")
+            f"target's last layer ({last}) has no next layer; retrain with ids below {last}"
+        )
     if cfg.attention_bias:
         raise BlockdraftError("llama.cpp's DFlash drafter has no attention biases (attention_bias=true)")
     if cfg.rope_scaling:
@@ -85,8 +97,9 @@ def _tensor(gguf, t: torch.Tensor, weight_type: str):
     return gguf.quants.quantize(x.numpy(), qtype), qtype
 
 
-def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Path, weight_type: str = "F16",
-                        full_vocab: bool = False) -> dict:
+def export_gguf_drafter(
+    src: str | Path, out: str | Path, target_gguf: str | Path, weight_type: str = "F16", full_vocab: bool = False
+) -> dict:
     """Write DFlash drafter folder `src` as llama.cpp's drafter GGUF `out`, weights as
     `weight_type` (F16 / BF16 / Q8_0 / F32; norms stay F32). `target_gguf`: the target's GGUF
     (its tokenizer is copied, its sizes are checked, and a draft vocabulary's head rows are
@@ -113,12 +126,16 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     sizes = {"block_count": cfg.num_target_layers, "embedding_length": cfg.hidden_size}
     for key, want in sizes.items():
         if target_key(key) != want:
-            raise BlockdraftError(f"{target_gguf.name}: {key} {target_key(key)} but the drafter was trained on a "
-                                  f"target with {want}: not this drafter's target")
+            raise BlockdraftError(
+                f"{target_gguf.name}: {key} {target_key(key)} but the drafter was trained on a "
+                f"target with {want}: not this drafter's target"
+            )
     check_runnable(cfg, cfg.num_target_layers)
     if cfg.sample_from_anchor and not cfg.markov_rank:
-        raise BlockdraftError(f"{src}: a drafter in DSpark's block layout without a Markov head has no llama.cpp "
-                              "equivalent (its DFlash drafter drafts from the slot after the anchor)")
+        raise BlockdraftError(
+            f"{src}: a drafter in DSpark's block layout without a Markov head has no llama.cpp "
+            "equivalent (its DFlash drafter drafts from the slot after the anchor)"
+        )
 
     state = drafter.state_dict()
     vocab = state.pop("draft_vocab", None)
@@ -132,9 +149,16 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
     out = Path(out)
     with gguf_file(out, ARCH) as w:
         w.add_name(f"{Path(src).name} (DFlash drafter, blockdraft)")
-        w.add_file_type(int({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                             "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-                             "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[weight_type]))
+        w.add_file_type(
+            int(
+                {
+                    "F32": gguf.LlamaFileType.ALL_F32,
+                    "F16": gguf.LlamaFileType.MOSTLY_F16,
+                    "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                }[weight_type]
+            )
+        )
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
         w.add_feed_forward_length(cfg.intermediate_size)
@@ -152,8 +176,7 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
             w.add_bool(f"{ARCH}.has_confidence_head", False)
         if cfg.layer_types and "sliding_attention" in cfg.layer_types:
             w.add_sliding_window(int(cfg.sliding_window))
-            w.add_array(f"{ARCH}.attention.sliding_window_pattern",
-                        [t == "sliding_attention" for t in cfg.layer_types])
+            w.add_array(f"{ARCH}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
         copy_fields(reader, w, lambda name: name.startswith("tokenizer."))
         w.add_uint32("tokenizer.ggml.mask_token_id", int(cfg.mask_token_id))
         for name, t in state.items():
@@ -164,10 +187,15 @@ def export_gguf_drafter(src: str | Path, out: str | Path, target_gguf: str | Pat
             w.add_tensor("d2t", vocab.to(torch.int64).numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
             data, raw = _tensor(gguf, head[vocab], weight_type)
             w.add_tensor("output.weight", data, raw_dtype=raw)
-    return {"layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "weight_type": weight_type,
-            "markov_rank": cfg.markov_rank,
-            "draft_vocab_size": None if vocab is None else int(vocab.numel()),
-            "target_layers": [int(i) + 1 for i in cfg.target_layer_ids], "bytes": out.stat().st_size}
+    return {
+        "layers": cfg.num_hidden_layers,
+        "block_size": cfg.block_size,
+        "weight_type": weight_type,
+        "markov_rank": cfg.markov_rank,
+        "draft_vocab_size": None if vocab is None else int(vocab.numel()),
+        "target_layers": [int(i) + 1 for i in cfg.target_layer_ids],
+        "bytes": out.stat().st_size,
+    }
 
 
 def _target_head(gguf, reader) -> torch.Tensor:
@@ -188,9 +216,13 @@ def read_gguf_drafter(path: str | Path) -> tuple[dict, dict]:
     """(metadata, tensors as fp32 / int64 torch tensors) of a drafter GGUF, for round-trip checks."""
     gguf = _gguf()
     reader = gguf.GGUFReader(str(path))
-    meta = {name: f.contents() for name, f in reader.fields.items()
-            if not name.startswith("GGUF.") and not name.startswith("tokenizer.ggml.")
-            or name == "tokenizer.ggml.mask_token_id"}
+    meta = {
+        name: f.contents()
+        for name, f in reader.fields.items()
+        if not name.startswith("GGUF.")
+        and not name.startswith("tokenizer.ggml.")
+        or name == "tokenizer.ggml.mask_token_id"
+    }
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type == gguf.GGMLQuantizationType.I64:

@@ -109,8 +109,10 @@ class Grammar:
         self.text = spec.llguidance()
         error, messages = LLMatcher.validate_grammar_with_warnings(self.text, self.lltok)
         if error:
-            raise BlockdraftError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: "
-                                  f"{_one_line(messages[0] if messages else 'invalid')}")
+            raise BlockdraftError(
+                f"the {spec.kind.replace('_', ' ')} cannot be compiled: "
+                f"{_one_line(messages[0] if messages else 'invalid')}"
+            )
         probe = self.matcher()
         allowed = probe.allowed()
         allowed[list(eos)] = False
@@ -196,8 +198,9 @@ def block_masks(matcher: Matcher, tokens: list[int], parents: list[int]) -> list
     return masks
 
 
-def chain_masks(matcher: Matcher, drafts: list[int], pending: int | None = None,
-                rescore=None) -> tuple[list[int], list[torch.Tensor | None]]:
+def chain_masks(
+    matcher: Matcher, drafts: list[int], pending: int | None = None, rescore=None
+) -> tuple[list[int], list[torch.Tensor | None]]:
     """A chain's drafts made to follow the grammar, and the masks of its verified positions (the
     pending token's, then each draft's). Walking the drafts in order, a draft the state does not
     allow is replaced by the one token the state allows where it allows only one (JSON keys and
@@ -238,4 +241,4 @@ def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]):
     for i, mask in enumerate(masks):
         if mask is not None:
             logits[i, : mask.shape[0]].masked_fill_(~mask.to(logits.device), float("-inf"))
-            logits[i, mask.shape[0]:] = float("-inf")  # ids past the tokenizer's (padding rows)
+            logits[i, mask.shape[0] :] = float("-inf")  # ids past the tokenizer's (padding rows)

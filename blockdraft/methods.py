@@ -65,8 +65,9 @@ def _dflash(engine, spec):
 def _dflash_tree(engine, spec):
     from .proposers import DFlashTreeProposer
 
-    return DFlashTreeProposer(engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES,
-                              draft_window=spec.window)
+    return DFlashTreeProposer(
+        engine.drafter_for("dflash"), engine.target, top_k=TREE_TOP_K, tree_nodes=TREE_NODES, draft_window=spec.window
+    )
 
 
 TREE_TOP_K = 32  # candidates per block position a tree may branch into (measured: wider pays, see README)
@@ -80,29 +81,71 @@ def _eagle3(engine, spec):
 
 
 register(Method("dflash", "the DFlash drafter: a whole block in one forward pass", _dflash, drafter="dflash"))
-register(Method("dflash-cut", "DFlash chain cut where verifying more stops paying (measured step costs)",
-                _dflash, drafter="dflash", adaptive=True))
-register(Method("dflash-tree", f"a tree of DFlash's top-{TREE_TOP_K} tokens per position, @N nodes "
-                f"verified in one pass (default {TREE_NODES})", _dflash_tree, drafter="dflash",
-                default_block=TREE_NODES + 1, counts_drafts=True))
+register(
+    Method(
+        "dflash-cut",
+        "DFlash chain cut where verifying more stops paying (measured step costs)",
+        _dflash,
+        drafter="dflash",
+        adaptive=True,
+    )
+)
+register(
+    Method(
+        "dflash-tree",
+        f"a tree of DFlash's top-{TREE_TOP_K} tokens per position, @N nodes "
+        f"verified in one pass (default {TREE_NODES})",
+        _dflash_tree,
+        drafter="dflash",
+        default_block=TREE_NODES + 1,
+        counts_drafts=True,
+    )
+)
 register(Method("ar", "plain autoregressive decoding (no speculation)", _ar, speculative=False))
 register(Method("lookup", "prompt lookup: n-gram drafts copied from the context", _lookup, default_block=4))
-register(Method("eagle3", "the EAGLE-3-style baseline drafter: a chain, one token per pass", _eagle3,
-                drafter="eagle3"))
+register(Method("eagle3", "the EAGLE-3-style baseline drafter: a chain, one token per pass", _eagle3, drafter="eagle3"))
 register(Method("hf", "HF transformers' own generate on the same weights", peer=True, speculative=False))
 register(Method("hf-lookup", "HF transformers' prompt-lookup decoding", peer=True, default_block=11))
-register(Method("llamacpp", "llama.cpp on a GGUF of the same weights (optional extra: .[peers])", peer=True,
-                speculative=False))
-register(Method("llamacpp-q4_1", "llama.cpp on the default target's original Q4_1 GGUF, whatever --dtype runs",
-                peer=True, speculative=False))
-register(Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B - 1 tokens)", peer=True,
-                default_block=5))
-register(Method("llamacpp-server", "llama.cpp's llama-server, plain decoding (`make llama-server`)", peer=True,
-                speculative=False))
-register(Method("llamacpp-server-q4_1", "llama-server on the default target's original Q4_1 GGUF, plain decoding",
-                peer=True, speculative=False))
-register(Method("llamacpp-dflash", "llama-server's own DFlash with our drafter as GGUF (B - 1 drafts per step)",
-                peer=True, drafter="dflash"))
+register(
+    Method(
+        "llamacpp", "llama.cpp on a GGUF of the same weights (optional extra: .[peers])", peer=True, speculative=False
+    )
+)
+register(
+    Method(
+        "llamacpp-q4_1",
+        "llama.cpp on the default target's original Q4_1 GGUF, whatever --dtype runs",
+        peer=True,
+        speculative=False,
+    )
+)
+register(
+    Method("llamacpp-lookup", "llama.cpp with its prompt-lookup drafts (B - 1 tokens)", peer=True, default_block=5)
+)
+register(
+    Method(
+        "llamacpp-server",
+        "llama.cpp's llama-server, plain decoding (`make llama-server`)",
+        peer=True,
+        speculative=False,
+    )
+)
+register(
+    Method(
+        "llamacpp-server-q4_1",
+        "llama-server on the default target's original Q4_1 GGUF, plain decoding",
+        peer=True,
+        speculative=False,
+    )
+)
+register(
+    Method(
+        "llamacpp-dflash",
+        "llama-server's own DFlash with our drafter as GGUF (B - 1 drafts per step)",
+        peer=True,
+        drafter="dflash",
+    )
+)
 
 
 def names(include_peers: bool = False) -> list[str]:
@@ -130,5 +173,8 @@ def parse(text: str, include_peers: bool = False) -> tuple[Method, int | None]:
 
 
 def help_text(include_peers: bool = False) -> str:
-    return "; ".join(f"{m.name}{('[@N]' if m.counts_drafts else '[@B]') if m.speculative else ''}: {m.summary}"
-                     for m in METHODS.values() if include_peers or not m.peer)
+    return "; ".join(
+        f"{m.name}{('[@N]' if m.counts_drafts else '[@B]') if m.speculative else ''}: {m.summary}"
+        for m in METHODS.values()
+        if include_peers or not m.peer
+    )

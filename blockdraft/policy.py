@@ -123,8 +123,16 @@ class SpeculationPolicy:
         if self.adaptive and self.depth:
             self.costs.record_draft(batch, self.depth, seconds)
 
-    def verified(self, batch: int, width: int, seconds: float, accepted: torch.Tensor, on_path, live: list[bool],
-                 accepted_list: list[int]):
+    def verified(
+        self,
+        batch: int,
+        width: int,
+        seconds: float,
+        accepted: torch.Tensor,
+        on_path,
+        live: list[bool],
+        accepted_list: list[int],
+    ):
         """After the verify of `width` tokens per row: `accepted` [B] drafts per row (also as a
         list), `on_path` [B, T] the accepted tree nodes (None for a chain), `live` the rows that
         were decoding."""

@@ -48,8 +48,14 @@ class Proposer:
     def reset(self, batch: int, max_len: int) -> None:
         """Start a new batch of `batch` sequences of at most `max_len` positions."""
 
-    def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor,
-                rows: slice = slice(None), valid: torch.Tensor | None = None) -> None:
+    def observe(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor | None,
+        positions: torch.Tensor,
+        rows: slice = slice(None),
+        valid: torch.Tensor | None = None,
+    ) -> None:
         """Tokens [B, T] of batch rows `rows` just processed by the target at positions
         [B, T], with their captured features. Entries at or past a row's committed length
         (`valid` [B]; None: every entry is committed) are junk; a later call rewrites those
@@ -60,8 +66,9 @@ class Proposer:
         predicts the token after its position): the prefill's last position and every verified
         one. Entries past a row's committed length are junk, as in `observe`."""
 
-    def propose(self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int,
-                rows: slice = slice(None), probs: bool = False) -> Draft:
+    def propose(
+        self, last_tokens: torch.Tensor, positions: torch.Tensor, n: int, rows: slice = slice(None), probs: bool = False
+    ) -> Draft:
         """Draft tokens for positions p+1..p+n of batch rows `rows`, given each row's last
         committed token and its position p ([B] each); with `probs`, their probabilities
         where the drafter has them. n may be 0 (a step without drafts): a proposer that keeps
@@ -78,8 +85,9 @@ class Proposer:
 
 def check_window(window) -> None:
     """A draft window is a number of tokens >= 0, None (0 and None: the whole context) or "auto"."""
-    if not (window is None or window == "auto" or (isinstance(window, int) and not isinstance(window, bool)
-                                                   and window >= 0)):
+    if not (
+        window is None or window == "auto" or (isinstance(window, int) and not isinstance(window, bool) and window >= 0)
+    ):
         raise BlockdraftError(f"the draft window must be a number of tokens >= 0, got {window!r}")
 
 
@@ -111,8 +119,12 @@ class DFlashProposer(Proposer):
 
     def reset(self, batch, max_len):
         cache = self.cache
-        if (cache is None or cache.batch != batch or cache.window != self.draft_window
-                or (self.draft_window is None and cache.max_len < max_len)):
+        if (
+            cache is None
+            or cache.batch != batch
+            or cache.window != self.draft_window
+            or (self.draft_window is None and cache.max_len < max_len)
+        ):
             self.cache = self.drafter.new_cache(batch, max_len, self.draft_window)
         self.cache.clear()
         self._pending = []
@@ -134,7 +146,7 @@ class DFlashProposer(Proposer):
         block = torch.full_like(block_positions, self.mask_token_id)
         block[:, 0] = last_tokens
         hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache, rows=rows)
-        return hidden[:, self.first_slot:]
+        return hidden[:, self.first_slot :]
 
     def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):
         hidden = self.block_hidden(last_tokens, positions, n, rows)
@@ -146,7 +158,6 @@ class DFlashProposer(Proposer):
             return Draft(self.drafter.draft_tokens(hidden, head, last_tokens))
         tokens, p = self.drafter.draft_candidates(hidden, head, 1, last_tokens)
         return Draft(tokens[..., 0], p[..., 0])
-
 
     def best_allowed(self, row: int, i: int, previous: int, mask: torch.Tensor) -> int | None:
         """The drafter's most probable token among those `mask` allows at draft position i of `row`
@@ -165,12 +176,20 @@ class DFlashTreeProposer(DFlashProposer):
     drafts_trees = True
     MAX_TREE_NODES = 64
 
-    def __init__(self, drafter: DFlashDrafter, target: Transformer, *, top_k: int = 32, tree_nodes: int = 16,
-                 draft_window: int | str | None = "auto"):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        target: Transformer,
+        *,
+        top_k: int = 32,
+        tree_nodes: int = 16,
+        draft_window: int | str | None = "auto",
+    ):
         if target.recurrent:
             raise BlockdraftError(
                 "tree verification needs a target without recurrent layers: linear attention keeps one "
-                "state per sequence, not one per tree branch (use a chain method: dflash, dflash-cut)")
+                "state per sequence, not one per tree branch (use a chain method: dflash, dflash-cut)"
+            )
         if top_k < 2:
             raise BlockdraftError(f"a tree needs at least 2 candidates per position, got top_k={top_k}")
         super().__init__(drafter, target, draft_window=draft_window)
@@ -231,13 +250,13 @@ def lookup_continuation(seq, n: int, max_ngram: int, min_ngram: int) -> list[int
     first); [] if none matches."""
     length = len(seq)
     for k in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        tail = seq[length - k:]
+        tail = seq[length - k :]
         # windows starting at i in [0, length - k - 1): an occurrence that ends before the tail
         windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], k)
         hits = np.nonzero((windows == tail).all(axis=1))[0]
         if hits.size:
             start = int(hits[-1]) + k
-            return seq[start: start + n].tolist()
+            return seq[start : start + n].tolist()
     return []
 
 
@@ -278,8 +297,13 @@ class EagleProposer(Proposer):
         d = self.drafter
         b = last_tokens.shape[0]
         index = torch.arange(b, device=last_tokens.device)[:, None]
-        tokens, fused, cache_k, cache_v, done = (self.tokens[rows], self.fused[rows], self.k[rows], self.v[rows],
-                                                 self.done[rows])
+        tokens, fused, cache_k, cache_v, done = (
+            self.tokens[rows],
+            self.fused[rows],
+            self.k[rows],
+            self.v[rows],
+            self.done[rows],
+        )
         tokens[index[:, 0], positions] = last_tokens
         # committed slots not yet in the cache: done .. p-1 (each needs token s+1 <= p)
         width = int((positions - done).max())

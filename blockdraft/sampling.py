@@ -72,8 +72,13 @@ def position_uniforms(seeds: list[int], positions: torch.Tensor) -> torch.Tensor
 CANDIDATES = 256  # tokens ranked first for top-p; more only for rows whose nucleus is wider
 
 
-def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                candidates: int = CANDIDATES) -> tuple[torch.Tensor | None, torch.Tensor]:
+def kept_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    candidates: int = CANDIDATES,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens each row can sample and their probabilities: temperature, then top-k, then
     top-p (HF's order). logits [N, V]; per-row temperature (> 0), top_p, top_k (0 = off) as [N]
     tensors. Returns (ids [N, C], float64 probs [N, C]): row n samples token ids[n, c] with
@@ -132,8 +137,9 @@ def kept_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return ids, probs
 
 
-def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 top_k: torch.Tensor) -> torch.Tensor:
+def target_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
     """`kept_tokens` as a dense float64 [N, V] table (zeros outside each row's kept set)."""
     ids, probs = kept_tokens(logits, temperature, top_p, top_k)
     if ids is None:

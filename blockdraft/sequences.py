@@ -105,14 +105,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) 
     if k:
         values, ids = scores.topk(k, dim=-1)
         values, ids = values.tolist(), ids.tolist()
-    return [[(chosen[n][t], list(zip(ids[n][t][:k_n], values[n][t][:k_n], strict=False)) if k_n else [])
-             for t in range(len(chosen[n]))] for n, k_n in enumerate(tops)]
+    return [
+        [
+            (chosen[n][t], list(zip(ids[n][t][:k_n], values[n][t][:k_n], strict=False)) if k_n else [])
+            for t in range(len(chosen[n]))
+        ]
+        for n, k_n in enumerate(tops)
+    ]
 
 
 def keep_logprobs(state: SequenceState, scores: list[tuple], before: int):
     """Append the scores of the tokens `emit` kept (the row had `before` output ids)."""
     state.logprobs.extend(scores[: max(0, len(state.output_ids) - before)])
-    del state.logprobs[len(state.output_ids):]
+    del state.logprobs[len(state.output_ids) :]
 
 
 def check_requests(target: Transformer, requests: list[Request], block_size: int) -> int:
@@ -128,7 +133,8 @@ def check_requests(target: Transformer, requests: list[Request], block_size: int
         if len(req.prompt_ids) + req.max_new_tokens > context:
             raise BlockdraftError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
-                f"exceeds the model's context of {context} tokens")
+                f"exceeds the model's context of {context} tokens"
+            )
         vocab = target.config.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise BlockdraftError(f"prompt token ids must lie in [0, {vocab})")

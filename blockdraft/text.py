@@ -33,12 +33,12 @@ class TextStream:
             return
         self.ids = ids  # the caller's list, read-only here (no copy: O(1) per step)
         while self.read < len(self.ids):
-            before = self._decode(self.ids[self.prefix:self.read])
-            window = self._decode(self.ids[self.prefix:])
+            before = self._decode(self.ids[self.prefix : self.read])
+            window = self._decode(self.ids[self.prefix :])
             if window.endswith(REPLACEMENT) and not final:
                 return  # an incomplete character: wait for the next token
             start, first = len(self.text), self.read
-            self.text += window[len(before):]
+            self.text += window[len(before) :]
             self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
             self._find_stop(start, first)
 
@@ -75,7 +75,7 @@ class TextStream:
                         break
         if len(text) <= self.sent:
             return ""
-        out, self.sent = text[self.sent:], len(text)
+        out, self.sent = text[self.sent :], len(text)
         return out
 
 

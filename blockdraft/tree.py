@@ -99,8 +99,14 @@ class DraftTree:
         return torch.where(cols <= accepted[:, None], path, last), accepted, on_path
 
 
-def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs: torch.Tensor,
-               nodes: int, calibration: Calibration | None = None, children=None) -> DraftTree:
+def build_tree(
+    last_tokens: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_probs: torch.Tensor,
+    nodes: int,
+    calibration: Calibration | None = None,
+    children=None,
+) -> DraftTree:
     """Grow each row's tree best first from per-position candidates.
 
     cand_tokens / cand_probs [B, n, k]: for block positions 1..n, k distinct candidate tokens
@@ -113,7 +119,7 @@ def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs:
     at position d, with their probabilities; cand_* then serve for position 1 only."""
     b, n, k = cand_tokens.shape
     estimates = cand_probs if calibration is None else calibration.apply(cand_probs)
-    possible = sum(k ** d for d in range(1, n + 1)) if k > 1 else n
+    possible = sum(k**d for d in range(1, n + 1)) if k > 1 else n
     count = min(nodes, possible)
     probs_list, est_list, tokens_list = cand_probs.tolist(), estimates.tolist(), cand_tokens.tolist()
     out_tok = [[0] * (count + 1) for _ in range(b)]
@@ -135,8 +141,11 @@ def build_tree(last_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_probs:
             if d + 1 < n:  # first child: the best candidate one position deeper
                 if children is not None:
                     t_next, p_next = children(row, d + 1, c_tok[r])
-                    e_next = p_next if calibration is None else \
-                        calibration.apply(torch.tensor(p_next)[None, None], first=d + 1)[0, 0].tolist()
+                    e_next = (
+                        p_next
+                        if calibration is None
+                        else calibration.apply(torch.tensor(p_next)[None, None], first=d + 1)[0, 0].tolist()
+                    )
                     below[node] = (t_next, p_next, e_next)
                 first = below[node][2][0] if children is not None else p[d + 1][0]
                 tie += 1
@@ -171,7 +180,7 @@ class Calibration:
         """probs [B, n, k] for block positions first + 1..first + n -> calibrated acceptance
         estimates."""
         n = probs.shape[1]
-        factors = self.factors()[first:first + n, None].to(probs.device)
+        factors = self.factors()[first : first + n, None].to(probs.device)
         return (probs.double() * factors).clamp(max=1.0).to(probs.dtype)
 
     def update(self, tree: DraftTree, on_path: torch.Tensor, rows: torch.Tensor | None = None):

@@ -90,9 +90,11 @@ def random_drafter(smol):
 @pytest.fixture(scope="session")
 def chat_ids(tokenizer):
     def encode(prompt):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False).input_ids
+
     return [encode(p) for p in PROMPTS]
 
 
@@ -116,11 +118,23 @@ def save_tiny_hf(model_type: str, path, **overrides):
     """A tiny randomly initialised HF model of `model_type`, saved as safetensors."""
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[model_type]
-    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[model_type]
+    kw = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if model_type == "qwen3":
         kw["head_dim"] = 16
     kw.update(overrides)

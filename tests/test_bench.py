@@ -17,13 +17,35 @@ def draft_dir(tmp_path_factory, random_drafter):
 
 def test_bench_json_contract(tmp_path, draft_dir):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["Name a colour.", "And another one?"]}) + "\n"
-                       + json.dumps({"turns": ["def add(a, b):"], "extra": 1}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts),
-                           "--methods", "ar,hf,lookup,hf-lookup@4,dflash,dflash@4", "--max-new-tokens", "8",
-                           "--draft", str(draft_dir),
-                           "--dtype", "float32",  # HF's own generate (fp32) is one of the methods compared
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    prompts.write_text(
+        json.dumps({"turns": ["Name a colour.", "And another one?"]})
+        + "\n"
+        + json.dumps({"turns": ["def add(a, b):"], "extra": 1})
+        + "\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "blockdraft",
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "ar,hf,lookup,hf-lookup@4,dflash,dflash@4",
+            "--max-new-tokens",
+            "8",
+            "--draft",
+            str(draft_dir),
+            "--dtype",
+            "float32",  # HF's own generate (fp32) is one of the methods compared
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     methods = report["methods"]
@@ -65,8 +87,12 @@ def test_repetition_counts_repeated_runs_and_tau_away_from_them():
     assert steps_outside_repeats(ids, [2, 3, 1, 3], 3) == [2]
     assert steps_outside_repeats(ids, [2, 2, 2, 4], 3) == [2, 2]  # a cut last step: ids[7:10] only
     stats = repetition_stats([(ids, [2, 3, 1, 3]), ([5, 6], [1])], 3)
-    assert stats == {"ngram": 3, "repeated_share": 4 / 12, "tau_outside_repeats": 1.5,
-                     "steps_outside_repeats_share": 2 / 5}
+    assert stats == {
+        "ngram": 3,
+        "repeated_share": 4 / 12,
+        "tau_outside_repeats": 1.5,
+        "steps_outside_repeats_share": 2 / 5,
+    }
     assert repetition_stats([(ids, [])], 3)["tau_outside_repeats"] is None
 
 
@@ -93,8 +119,12 @@ def test_distribution_check_and_lookup_sanity(draft_dir):
     report = distribution_check(engine, ["lookup", "dflash@4"], records, samples=200, positions=3)
     for checks in report.values():
         assert all(c["same_distribution"] for c in checks), checks
-    results = run_bench(engine, [{"id": "b", "turns": ["Repeat this list twice: apple, pear, plum, fig."]}],
-                        ["ar", "lookup@6", "hf-lookup@6"], max_new_tokens=40)
+    results = run_bench(
+        engine,
+        [{"id": "b", "turns": ["Repeat this list twice: apple, pear, plum, fig."]}],
+        ["ar", "lookup@6", "hf-lookup@6"],
+        max_new_tokens=40,
+    )
     ar = results["ar"]["prompts"][0]["token_ids"]
     assert results["lookup@6"]["prompts"][0]["token_ids"] == ar == results["hf-lookup@6"]["prompts"][0]["token_ids"]
     assert results["lookup@6"]["tau"] > 1.2  # repetition is where prompt lookup pays

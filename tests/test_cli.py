@@ -11,13 +11,20 @@ import torch
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.engine import Engine
 
-CONTRACT = {"text", "token_ids", "num_prompt_tokens", "num_output_tokens", "acceptance_lengths", "tau",
-            "decode_seconds", "tokens_per_second"}
+CONTRACT = {
+    "text",
+    "token_ids",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "acceptance_lengths",
+    "tau",
+    "decode_seconds",
+    "tokens_per_second",
+}
 
 
 def cli(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "blockdraft", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "blockdraft", *args], capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -39,8 +46,20 @@ def draft_dir(tmp_path_factory, random_drafter):
 def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
     outs = {}
     for method, extra in (("ar", []), ("dflash", []), ("dflash-tree", ["--tree-budget", "6"])):
-        code, out, err = cli("generate", "--prompt", "Name three fruits.", "--chat", "--max-new-tokens", "12",
-                             "--method", method, "--draft", str(draft_dir), "--json", *extra)
+        code, out, err = cli(
+            "generate",
+            "--prompt",
+            "Name three fruits.",
+            "--chat",
+            "--max-new-tokens",
+            "12",
+            "--method",
+            method,
+            "--draft",
+            str(draft_dir),
+            "--json",
+            *extra,
+        )
         assert code == 0, err
         outs[method] = data = json.loads(out)
         assert CONTRACT <= set(data)
@@ -52,24 +71,28 @@ def test_generate_json_contract_and_losslessness(draft_dir, hf_smol, tokenizer):
         assert data["exact"] is True
     assert outs["ar"]["token_ids"] == outs["dflash"]["token_ids"] == outs["dflash-tree"]["token_ids"]
     assert outs["dflash-tree"]["method"] == "dflash-tree" and outs["dflash-tree"]["block_size"] == 7
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three fruits."}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
     assert outs["ar"]["num_prompt_tokens"] == len(ids)
     ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2)
-    assert outs["ar"]["token_ids"] == ref[0, len(ids):].tolist()
-    assert outs["ar"]["text"] == tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True)
+    assert outs["ar"]["token_ids"] == ref[0, len(ids) :].tolist()
+    assert outs["ar"]["text"] == tokenizer.decode(ref[0, len(ids) :], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--target", "/nonexistent/model"], "target model folder not found"),
-    (["--prompt-override", ""], "empty prompt"),
-    (["--block-size", "32"], "block size 32 must be between 2 and the drafter's trained block size 16"),
-    (["--max-new-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--tree-budget", "4", "--method", "lookup"], "--tree-budget applies to method dflash-tree"),
-    (["--tree-budget", "0"], "--tree-budget must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "/nonexistent/model"], "target model folder not found"),
+        (["--prompt-override", ""], "empty prompt"),
+        (["--block-size", "32"], "block size 32 must be between 2 and the drafter's trained block size 16"),
+        (["--max-new-tokens", "9000"], "exceeds the model's context of 8192 tokens"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--tree-budget", "4", "--method", "lookup"], "--tree-budget applies to method dflash-tree"),
+        (["--tree-budget", "0"], "--tree-budget must be at least 1"),
+    ],
+)
 def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir, capsys):
     """The first case runs as a real process (exit code 2, no traceback on stderr); the others
     call the same `main` in this process (an exception other than the one-line error would fail
@@ -87,9 +110,19 @@ def test_bad_input_is_a_clear_error_not_a_traceback(args, message, draft_dir, ca
 
 def test_mismatched_drafter_and_unsupported_target_are_clear_errors(tmp_path, draft_dir, capsys):
     torch.manual_seed(0)
-    wrong = DraftConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, intermediate_size=96, vocab_size=1000, num_target_layers=30,
-                        target_layer_ids=[15], mask_token_id=4, block_size=8)
+    wrong = DraftConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=1000,
+        num_target_layers=30,
+        target_layer_ids=[15],
+        mask_token_id=4,
+        block_size=8,
+    )
     DFlashDrafter(wrong).save(tmp_path / "wrong")
     code, err = run_main(capsys, "generate", "--prompt", "Hi", "--draft", str(tmp_path / "wrong"))
     assert code == 2 and "hidden size 64 != target's 576" in err and "vocab size 1000" in err
@@ -105,6 +138,7 @@ def test_no_shipped_drafter_yet_says_so(monkeypatch, tmp_path):
     monkeypatch.setitem(engine_mod.SHIPPED_DRAFTS, (engine_mod.DEFAULT_TARGET_NAME, "dflash"), tmp_path / "none")
     engine = Engine.load()
     from blockdraft.errors import BlockdraftError
+
     with pytest.raises(BlockdraftError, match="no trained drafter is shipped"):
         engine.generate("Hi", method="dflash")
     assert engine.generate("Hi", method="ar", max_new_tokens=3).num_output_tokens == 3
@@ -119,12 +153,14 @@ def test_api_stream_and_stop_strings(draft_dir):
     word = full.text.split()[2]
     cut = engine.generate("List the days of the week, one per line.", chat=True, max_new_tokens=40, stop=word)
     assert cut.finish_reason == "stop" and word not in cut.text and full.text.startswith(cut.text)
-    streamed = "".join(engine.stream("List the days of the week, one per line.", chat=True,
-                                     max_new_tokens=40, stop=word))
+    streamed = "".join(
+        engine.stream("List the days of the week, one per line.", chat=True, max_new_tokens=40, stop=word)
+    )
     assert streamed == cut.text
     batch = engine.generate(["Hi!", "Count to five."], chat=True, max_new_tokens=8, method="ar")
-    assert [b.token_ids for b in batch] == [engine.generate(p, chat=True, max_new_tokens=8, method="ar").token_ids
-                                            for p in ["Hi!", "Count to five."]]
+    assert [b.token_ids for b in batch] == [
+        engine.generate(p, chat=True, max_new_tokens=8, method="ar").token_ids for p in ["Hi!", "Count to five."]
+    ]
 
 
 def test_the_shipped_drafter_is_the_default_and_matches_its_card():
@@ -149,11 +185,12 @@ def test_demo_compares_both_dflash_runs_with_hf_greedy(hf_smol, tokenizer):
     prompt = "Write a Python function that adds two numbers."
     code, out, err = cli("demo", "--prompt", prompt, "--max-new-tokens", "24")
     assert code == 0, err
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, add_special_tokens=False).input_ids
     ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=2)
-    expected = tokenizer.decode(ref[0, len(ids):], skip_special_tokens=True).strip()
+    expected = tokenizer.decode(ref[0, len(ids) :], skip_special_tokens=True).strip()
     parts = re.split(r"^=== (\S+): [^\n]* ===\n", out.split("\noutputs: ")[0], flags=re.M)
     assert parts[1::2] == ["ar", "dflash", "dflash-cut"], out
     assert [p.strip() for p in parts[2::2]] == [expected] * 3
@@ -173,8 +210,10 @@ def test_method_registry_drives_the_cli_and_finds_shipped_drafters():
     engine = Engine.load(use_draft=False)
     assert engine.drafter is None and engine.eagle is None
     out = engine.generate("Hi", chat=True, method="eagle3", max_new_tokens=6)  # shipped baseline, no --eagle
-    assert engine.eagle is not None and out.token_ids == engine.generate("Hi", chat=True, method="ar",
-                                                                         max_new_tokens=6).token_ids
+    assert (
+        engine.eagle is not None
+        and out.token_ids == engine.generate("Hi", chat=True, method="ar", max_new_tokens=6).token_ids
+    )
     code, _, err = cli("generate", "--prompt", "Hi", "--method", "nosuch")
     assert code == 2 and "invalid choice" in err
 
@@ -192,8 +231,9 @@ def test_an_abandoned_stream_stops_within_a_step():
             return super().propose(last_tokens, positions, n, rows, probs)
 
     engine = Engine.load(use_draft=False)
-    stream = engine.stream("Tell me a long story about a dragon.", chat=True, method="ar", max_new_tokens=300,
-                           proposer=Counting())
+    stream = engine.stream(
+        "Tell me a long story about a dragon.", chat=True, method="ar", max_new_tokens=300, proposer=Counting()
+    )
     first = [next(stream), next(stream)]
     assert all(isinstance(p, str) for p in first)
     stream.close()  # the consumer goes away
@@ -223,8 +263,23 @@ def test_train_flags_document_every_setting_and_keep_its_defaults(capsys):
     args = parser.parse_args(["--data", "d", "--out", "o"])
     parsed = TrainConfig(**{f.name: getattr(args, f.name) for f in fields})
     assert parsed == TrainConfig(data="d", out="o")
-    args = parser.parse_args(["--data", "d", "--out", "o", "--block-size", "4", "--lr", "2e-4",
-                              "--target-layer-ids", "1", "5", "--init-from", "x"])
+    args = parser.parse_args(
+        [
+            "--data",
+            "d",
+            "--out",
+            "o",
+            "--block-size",
+            "4",
+            "--lr",
+            "2e-4",
+            "--target-layer-ids",
+            "1",
+            "5",
+            "--init-from",
+            "x",
+        ]
+    )
     assert (args.block_size, args.lr, args.target_layer_ids, args.init_from) == (4, 2e-4, [1, 5], "x")
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", "o"])  # --data is required

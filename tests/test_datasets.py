@@ -5,8 +5,17 @@ import json
 
 import pytest
 
-from blockdraft.datasets import (PROMPT_SOURCES, contaminated, eval_fingerprints, gsm8k, humaneval, is_code_prompt,
-                                 is_validation, iter_sharegpt, mtbench)
+from blockdraft.datasets import (
+    PROMPT_SOURCES,
+    contaminated,
+    eval_fingerprints,
+    gsm8k,
+    humaneval,
+    is_code_prompt,
+    is_validation,
+    iter_sharegpt,
+    mtbench,
+)
 
 
 def test_eval_sets_load():
@@ -15,8 +24,9 @@ def test_eval_sets_load():
     assert he[0]["turns"][0].startswith("Write a solution to the following problem")
     assert "def has_close_elements" in he[0]["turns"][0]
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt)
-    assert (len(gsm) == 100 and len({r["id"] for r in gsm}) == 100
-            and all(r["id"].startswith("gsm8k-test-") for r in gsm))
+    assert (
+        len(gsm) == 100 and len({r["id"] for r in gsm}) == 100 and all(r["id"].startswith("gsm8k-test-") for r in gsm)
+    )
     assert gsm[0]["turns"][0].startswith("Melanie is a door-to-door saleswoman")
     assert gsm[0]["turns"][0].endswith("put your final answer within \\boxed{}.") and gsm[0]["answer"] == "18"
 
@@ -73,6 +83,7 @@ def test_prompt_mix_is_a_deterministic_weighted_round_robin():
     assert out.count("b") == 3 and out.count("a") == 100 and out.count("c") == 100  # exhausted streams drop out
     assert parse_mix("asdiv=2, leetcode") == {"asdiv": 2.0, "leetcode": 1.0}
     from blockdraft.errors import BlockdraftError
+
     for bad in ("nosuch=1", "asdiv=x", "asdiv=0"):
         with pytest.raises(BlockdraftError):
             parse_mix(bad)
@@ -93,7 +104,8 @@ def test_regeneration_resumes_without_losing_or_duplicating(tmp_path):
 
     from blockdraft import Engine
     from blockdraft.errors import BlockdraftError
-    from blockdraft.train.data import iter_samples, regenerate
+    from blockdraft.train.data import iter_samples
+    from blockdraft.train.regen import regenerate
 
     engine = Engine.load(use_draft=False)
     run = dict(mix="asdiv", max_new_tokens=4, batch_size=2, progress=False)
@@ -124,7 +136,8 @@ def test_regeneration_in_a_large_continuous_batch_equals_one_by_one(tmp_path):
     """Rows join and leave a 3-row batch at different times; every answer is still the
     target's own greedy answer for that prompt alone."""
     from blockdraft import Engine
-    from blockdraft.train.data import answer_prompts, training_prompts
+    from blockdraft.train.data import training_prompts
+    from blockdraft.train.regen import answer_prompts
 
     engine = Engine.load(use_draft=False)
     prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256), strict=False)]
@@ -148,7 +161,8 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     from blockdraft import Engine
     from blockdraft.cli.data import feature_layers
     from blockdraft.errors import BlockdraftError
-    from blockdraft.train.data import answer_prompts, regenerate, training_prompts
+    from blockdraft.train.data import training_prompts
+    from blockdraft.train.regen import answer_prompts, regenerate
     from blockdraft.train.features import FeatureCache, sequence_key
 
     engine = Engine.load(use_draft=False, dtype=torch.float32)  # compared with a whole-sequence fp32 forward
@@ -158,20 +172,22 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     cache = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
     prompts = [p for _, p in zip(range(7), training_prompts(engine.tokenizer, "asdiv=1,leetcode=1", 256), strict=False)]
     got = []
-    stats = answer_prompts(engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append,
-                           sort_every=2, features=cache)
+    stats = answer_prompts(
+        engine, iter(prompts), max_new_tokens=12, batch_size=3, on_sample=got.append, sort_every=2, features=cache
+    )
     assert stats.written == stats.features == 7 == len(cache)
     for s in got:
         seq = s["prompt_ids"] + s["answer_ids"]
         stored, missing = cache.get([sequence_key(seq)], len(seq), "cpu")
         with torch.no_grad():
-            _, whole = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers),
-                                     features_only=True)
+            _, whole = engine.target(
+                torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers), features_only=True
+            )
         assert missing == [] and not stored[0, -1].any()  # the last position never went through the target
         torch.testing.assert_close(stored[0, :-1], whole[0, :-1], rtol=1e-3, atol=1e-3)
         ids, logp, missing = cache.get_teacher([sequence_key(seq)], len(seq), "cpu")
         start = len(s["prompt_ids"]) - 1  # the position predicting the first answer token
-        assert missing == [] and (ids[0, :start] == -1).all() and (ids[0, len(seq) - 1:] == -1).all()
+        assert missing == [] and (ids[0, :start] == -1).all() and (ids[0, len(seq) - 1 :] == -1).all()
         with torch.no_grad():
             final, _ = engine.target(torch.tensor([seq]), torch.arange(len(seq))[None])
             full = torch.log_softmax(engine.target.logits(final[0, start:-1]).float(), -1)
@@ -187,8 +203,14 @@ def test_regeneration_stores_each_answers_features_for_training(tmp_path):
     assert len(trainers) == 7
     trainers.close()
     with pytest.raises(BlockdraftError, match="--method ar"):
-        answer_prompts(engine, iter(prompts), max_new_tokens=2, batch_size=2, method="dflash",
-                       features=FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen"))
+        answer_prompts(
+            engine,
+            iter(prompts),
+            max_new_tokens=2,
+            batch_size=2,
+            method="dflash",
+            features=FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen"),
+        )
     # through `regenerate`, and only as long as the disk keeps its reserve
     again = FeatureCache(tmp_path / "cache", engine.target, layers, writer="regen")
     run = dict(mix="asdiv", limit=3, max_new_tokens=4, batch_size=2, progress=False)
@@ -205,7 +227,8 @@ def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resume
     from blockdraft import Engine
     from blockdraft.errors import BlockdraftError
     from blockdraft.train.answers import AnswerSampling, prompt_of, sample_seed
-    from blockdraft.train.data import iter_samples, regenerate
+    from blockdraft.train.data import iter_samples
+    from blockdraft.train.regen import regenerate
 
     engine = Engine.load(use_draft=False)
     sampling = AnswerSampling(1.0, 0.9, 50)
@@ -217,10 +240,18 @@ def test_sampled_regeneration_gives_several_seeded_answers_per_prompt_and_resume
     assert len({prompt_of(s["id"]) for s in samples}) == 2
     for s in samples:
         assert s["prompt_id"] == prompt_of(s["id"]) and s["id"] == (
-            s["prompt_id"] if s["answer_index"] == 0 else f"{s['prompt_id']}~a{s['answer_index']}")
+            s["prompt_id"] if s["answer_index"] == 0 else f"{s['prompt_id']}~a{s['answer_index']}"
+        )
         assert (s["temperature"], s["top_p"], s["top_k"]) == (1.0, 0.9, 50)
-        alone = engine.generate(s["prompt_ids"], method="ar", max_new_tokens=6, temperature=1.0, top_p=0.9,
-                                top_k=50, seed=sample_seed(s["id"]))
+        alone = engine.generate(
+            s["prompt_ids"],
+            method="ar",
+            max_new_tokens=6,
+            temperature=1.0,
+            top_p=0.9,
+            top_k=50,
+            seed=sample_seed(s["id"]),
+        )
         assert s["answer_ids"] == alone.token_ids
     assert len({tuple(s["answer_ids"]) for s in samples}) > 2  # seeds differ per answer, not per prompt only
     assert regenerate(engine, tmp_path, answers_per_prompt=3, **run).written == 0
@@ -239,35 +270,64 @@ def test_more_sampled_answers_beside_the_greedy_ones_in_another_folder(tmp_path)
     answer of its prompt is dropped (a 2-token cap makes such repeats common)."""
     from blockdraft import Engine
     from blockdraft.train.answers import AnswerSampling, prompt_of, sample_seed
-    from blockdraft.train.data import iter_samples, regenerate
+    from blockdraft.train.data import iter_samples
+    from blockdraft.train.regen import regenerate
 
     engine = Engine.load(use_draft=False)
     run = dict(mix="asdiv", limit=4, max_new_tokens=2, batch_size=4, progress=False)
     regenerate(engine, tmp_path / "greedy", **run)
     greedy = {s["id"]: s["answer_ids"] for s in iter_samples(tmp_path / "greedy")}
     sampling = AnswerSampling(0.7, 0.8, 20)
-    stats = regenerate(engine, tmp_path / "sampled", first_answer=1, answers_per_prompt=2, sampling=sampling,
-                       dedup_against=[tmp_path / "greedy"], **run)
+    stats = regenerate(
+        engine,
+        tmp_path / "sampled",
+        first_answer=1,
+        answers_per_prompt=2,
+        sampling=sampling,
+        dedup_against=[tmp_path / "greedy"],
+        **run,
+    )
     samples = list(iter_samples(tmp_path / "sampled"))
     dropped = (tmp_path / "sampled" / "dropped.txt").read_text().split() if stats.duplicates else []
     assert sorted([s["id"] for s in samples] + dropped) == sorted(f"{p}~a{i}" for p in greedy for i in (1, 2))
     assert stats.duplicates > 0  # at T 0.7 a 2-token answer often repeats the greedy one
     for s in samples:
         assert s["answer_index"] in (1, 2) and s["answer_ids"] != greedy[prompt_of(s["id"])]
-        alone = engine.generate(s["prompt_ids"], method="ar", max_new_tokens=2, temperature=0.7, top_p=0.8,
-                                top_k=20, seed=sample_seed(s["id"]))
+        alone = engine.generate(
+            s["prompt_ids"],
+            method="ar",
+            max_new_tokens=2,
+            temperature=0.7,
+            top_p=0.8,
+            top_k=20,
+            seed=sample_seed(s["id"]),
+        )
         assert s["answer_ids"] == alone.token_ids
     for i in dropped:  # each dropped answer did equal its prompt's greedy answer or the other sample
         p = prompt_of(i)
-        alone = engine.generate(next(s for s in iter_samples(tmp_path / "greedy") if s["id"] == p)["prompt_ids"],
-                                method="ar", max_new_tokens=2, temperature=0.7, top_p=0.8, top_k=20,
-                                seed=sample_seed(i)).token_ids
+        alone = engine.generate(
+            next(s for s in iter_samples(tmp_path / "greedy") if s["id"] == p)["prompt_ids"],
+            method="ar",
+            max_new_tokens=2,
+            temperature=0.7,
+            top_p=0.8,
+            top_k=20,
+            seed=sample_seed(i),
+        ).token_ids
         assert alone == greedy[p] or any(s["answer_ids"] == alone for s in samples if prompt_of(s["id"]) == p)
     # ids answered (or dropped) in a --dedup-against folder are not answered again elsewhere
-    again = regenerate(engine, tmp_path / "more", first_answer=1, answers_per_prompt=3, sampling=sampling,
-                       dedup_against=[tmp_path / "greedy", tmp_path / "sampled"], **run)
-    assert again.written + again.duplicates == 4 and {prompt_of(s["id"]) for s in iter_samples(tmp_path / "more")
-                                                      } <= set(greedy)
+    again = regenerate(
+        engine,
+        tmp_path / "more",
+        first_answer=1,
+        answers_per_prompt=3,
+        sampling=sampling,
+        dedup_against=[tmp_path / "greedy", tmp_path / "sampled"],
+        **run,
+    )
+    assert again.written + again.duplicates == 4 and {
+        prompt_of(s["id"]) for s in iter_samples(tmp_path / "more")
+    } <= set(greedy)
     assert all(s["answer_index"] == 3 for s in iter_samples(tmp_path / "more"))
 
 
@@ -279,11 +339,18 @@ def test_a_rerun_tokenizes_only_the_prompts_it_may_still_answer(tmp_path, monkey
     from blockdraft.train import data
     from blockdraft.train.answers import AnswerSampling
 
-    records = [{"id": f"tiny/{i}", "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]}
-               for i in range(3)]
+    records = [
+        {"id": f"tiny/{i}", "messages": [{"role": "user", "content": f"Name {i + 2} colours."}]} for i in range(3)
+    ]
     records.insert(1, {"id": "tiny/long", "messages": [{"role": "user", "content": "colour " * 40}]})
-    run = dict(mix="tiny", sources={"tiny": lambda: iter(records)}, max_new_tokens=3, batch_size=4, progress=False,
-               max_prompt_tokens=40)
+    run = dict(
+        mix="tiny",
+        sources={"tiny": lambda: iter(records)},
+        max_new_tokens=3,
+        batch_size=4,
+        progress=False,
+        max_prompt_tokens=40,
+    )
     engine = Engine.load(use_draft=False)
     tokenized = []
     real = data.chat_prompt_ids
@@ -334,7 +401,8 @@ def test_self_written_prompts_are_the_targets_own_seeded_samples_resume_and_feed
     from blockdraft import Engine
     from blockdraft.datasets import MATH_TEMPLATE, is_validation
     from blockdraft.train.answers import sample_seed
-    from blockdraft.train.data import iter_samples, regenerate
+    from blockdraft.train.data import iter_samples
+    from blockdraft.train.regen import regenerate
     from blockdraft.train.prompts import DOMAINS, prompt_head_ids, prompt_sources, synthesize
 
     engine = Engine.load(use_draft=False)
@@ -345,8 +413,9 @@ def test_self_written_prompts_are_the_targets_own_seeded_samples_resume_and_feed
     assert stats.kept == len(kept) == 3
     for rec in kept:
         head = prompt_head_ids(engine.tokenizer, DOMAINS["math"][rec["system"]])
-        alone = engine.generate(head, method="ar", max_new_tokens=48, temperature=1.0, top_p=0.95,
-                                seed=sample_seed(rec["id"]))
+        alone = engine.generate(
+            head, method="ar", max_new_tokens=48, temperature=1.0, top_p=0.95, seed=sample_seed(rec["id"])
+        )
         assert alone.finish_reason == "stop"
         assert rec["question"] == engine.tokenizer.decode(alone.token_ids, skip_special_tokens=True).strip()
         assert rec["turns"] == [MATH_TEMPLATE.format(question=rec["question"])]
@@ -380,8 +449,10 @@ def test_prompt_filters_and_near_duplicates():
     assert problem("Как мне развернуть связанный список на питоне?", "stop", fps) == "language"
     assert problem("1 2 3 4 5 6 7 8 9 10 11 12 13 = ?", "stop", fps) == "language"
     assert problem("tell me more " * 8, "stop", fps) == "repetitive"
-    assert problem("Please answer: A prompt of an evaluation set, long enough to fingerprint it.", "stop", fps) \
+    assert (
+        problem("Please answer: A prompt of an evaluation set, long enough to fingerprint it.", "stop", fps)
         == "evaluation"
+    )
     near = NearDuplicates(0.5)
     near.add(ok)
     assert near.similar("How do I reverse a linked list in Python without recursion, please?")

@@ -23,14 +23,17 @@ TIE_GAP = 1e-4
 @pytest.fixture(scope="session")
 def hf_greedy(hf_smol, chat_ids, tmp_path_factory):
     """HF's own greedy continuation of each prompt (stopping at <|im_end|> like ours)."""
+
     def generate():
         refs = []
         for ids in chat_ids:
             with torch.no_grad():
-                out = hf_smol.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
-                                       eos_token_id=2, pad_token_id=2)
-            refs.append(out[0, len(ids):].tolist())
+                out = hf_smol.generate(
+                    torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=2, pad_token_id=2
+                )
+            refs.append(out[0, len(ids) :].tolist())
         return refs
+
     return computed_once(tmp_path_factory, "hf_greedy", generate)
 
 
@@ -70,8 +73,10 @@ def assert_same_or_tie(hf_model, prompt, ours, ref, label):
         logits = hf_model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
-    assert gap < TIE_GAP, (f"{label}: diverges from HF greedy at token {i} (ours {ours[i:i+3]}, "
-                           f"HF {ref[i:i+3]}), top-2 logit gap {gap:.2e} is no tie")
+    assert gap < TIE_GAP, (
+        f"{label}: diverges from HF greedy at token {i} (ours {ours[i : i + 3]}, "
+        f"HF {ref[i : i + 3]}), top-2 logit gap {gap:.2e} is no tie"
+    )
     print(f"{label}: fp32 tie at token {i} (gap {gap:.1e}) excused")
 
 
@@ -101,8 +106,9 @@ def test_dflash_random_drafter_equals_hf_greedy(smol, hf_smol, chat_ids, hf_gree
         assert 1 + sum(a[:-1]) < len(out.output_ids) <= 1 + sum(a)
 
 
-def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
-                                                              random_drafter):
+def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(
+    smol, hf_smol, chat_ids, hf_greedy, ours_greedy, random_drafter
+):
     lens = [len(p) for p in chat_ids]
     proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens)
     states = run(smol, proposer, chat_ids, 16)  # all ten prompts in one batch
@@ -115,8 +121,9 @@ def test_perfect_drafter_accepts_whole_blocks_and_stays_exact(smol, hf_smol, cha
         assert len(out.acceptance_lengths) == -(-(len(ours) - 1) // 16)
 
 
-def test_always_wrong_drafter_accepts_nothing_and_stays_exact(smol, hf_smol, chat_ids, hf_greedy, ours_greedy,
-                                                             random_drafter):
+def test_always_wrong_drafter_accepts_nothing_and_stays_exact(
+    smol, hf_smol, chat_ids, hf_greedy, ours_greedy, random_drafter
+):
     lens = [len(p) for p in chat_ids]
     proposer = RiggedProposer(random_drafter, smol, ours_greedy, lens, right=0)
     states = run(smol, proposer, chat_ids, 8)  # and a run-time block size below the trained 16
@@ -178,8 +185,9 @@ def test_continuous_batching_refills_slots_and_equals_each_prompt_alone(smol, ch
             alone = []
             list(generate_steps(smol, Proposer(), [req], 1, alone))
             assert emitted[i] == states[i].output_ids  # streamed tokens == final tokens
-            assert_same_or_tie(hf_smol, req.prompt_ids, states[i].output_ids, alone[0].output_ids,
-                               f"{proposer.name} request {i}")
+            assert_same_or_tie(
+                hf_smol, req.prompt_ids, states[i].output_ids, alone[0].output_ids, f"{proposer.name} request {i}"
+            )
 
 
 def run_sorting(loop, reqs, must_sort=True):
@@ -210,12 +218,14 @@ def test_rows_sorted_by_length_with_grouped_attention_change_no_output(smol, cha
         states = run_sorting(DecodeLoop(smol, proposer, block, 4, 200, sort_every=2, group_rows=2), reqs)
         for i, req in enumerate(reqs):
             alone = run(smol, Proposer(), [req.prompt_ids], 1, max_new=req.max_new_tokens)[0]
-            assert_same_or_tie(hf_smol, req.prompt_ids, states[i].output_ids, alone.output_ids,
-                               f"{proposer.name} request {i}")
+            assert_same_or_tie(
+                hf_smol, req.prompt_ids, states[i].output_ids, alone.output_ids, f"{proposer.name} request {i}"
+            )
 
 
 def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_the_context(
-        smol, hf_smol, chat_ids, ours_greedy, tokenizer):
+    smol, hf_smol, chat_ids, ours_greedy, tokenizer
+):
     """The shipped drafter (real acceptance) with --draft-window: a window wider than every
     sequence accepts exactly what the unbounded drafter accepts; a narrow one (the ring wraps
     many times, slots reused by continuous batching) still emits the target's own tokens."""
@@ -249,8 +259,9 @@ def test_a_bounded_draft_window_stays_exact_and_changes_nothing_when_wider_than_
     assert any(a > 1 for s in unbounded for a in s.acceptance_lengths)  # drafts were accepted
 
 
-def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf_smol, chat_ids, hf_greedy, tokenizer,
-                                                                         monkeypatch):
+def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(
+    smol, hf_smol, chat_ids, hf_greedy, tokenizer, monkeypatch
+):
     """`share_prefix` (the chat template's common start, prefilled once): prompts that start
     with it run only their own tokens through the target, yet plain decoding gives HF's greedy
     answers and the shipped drafter (fed the cached prefix's features) accepts what it does
@@ -260,7 +271,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
     from blockdraft.train.data import template_prefix_ids
 
     prefix = template_prefix_ids(tokenizer)
-    assert len(prefix) > 10 and all(ids[:len(prefix)] == prefix for ids in chat_ids)
+    assert len(prefix) > 10 and all(ids[: len(prefix)] == prefix for ids in chat_ids)
     starts = []
     forward = type(smol).forward
 
@@ -299,8 +310,8 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_no_output(smol, hf
         seen.clear()
         with torch.inference_mode():
             loop.admit([(k, reqs[k], SequenceState()) for k in range(2)])
-        features, = seen  # what the proposer is given at the prefill
-        snaps.append(features[:, :len(prefix)].clone())
+        (features,) = seen  # what the proposer is given at the prefill
+        snaps.append(features[:, : len(prefix)].clone())
     scale = snaps[1].abs().amax(-1, keepdim=True)  # a token's features span 1e-1..1e4: compare per token
     assert scale.amin() > 0.1 and ((snaps[0] - snaps[1]).abs() / scale).amax() < 1e-5
 
@@ -312,8 +323,9 @@ def test_a_markov_head_drafts_a_chain_on_the_token_before_and_decoding_stays_exa
     from blockdraft.models.default import DEFAULT_MASK_TOKEN_ID
 
     torch.manual_seed(7)
-    cfg = DraftConfig.for_target(smol.config, num_layers=1, block_size=8, mask_token_id=DEFAULT_MASK_TOKEN_ID,
-                                 markov_rank=16)
+    cfg = DraftConfig.for_target(
+        smol.config, num_layers=1, block_size=8, mask_token_id=DEFAULT_MASK_TOKEN_ID, markov_rank=16
+    )
     drafter = DFlashDrafter(cfg).eval()
     drafter.reset_parameters()
     with torch.no_grad():  # a strong head, so that the chain's tokens depend on it

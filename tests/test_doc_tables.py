@@ -47,8 +47,14 @@ def test_a_docs_table_is_what_its_command_writes_today(tmp_path, page, words):
     if "--plot" in args:  # the image is not compared; it goes to the temporary folder
         args[args.index("--plot") + 1] = str(tmp_path / "plot.png")
     script = " ".join(shlex.quote(a) if "*" not in a else a for a in args[1:])
-    run = subprocess.run(f"{shlex.quote(sys.executable)} {shlex.quote(args[0])} {script}", shell=True, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        f"{shlex.quote(sys.executable)} {shlex.quote(args[0])} {script}",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert copy.read_text() == target.read_text(), f"{page.name}: `{' '.join(words)}` writes another table today"
 

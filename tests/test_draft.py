@@ -15,18 +15,42 @@ from blockdraft.models.config import TargetConfig
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash-drafter-config.example.json"
 
 PUBLISHED_WEIGHTS = {
-    "fc.weight", "hidden_norm.weight", "norm.weight",
-    *(f"layers.{i}.{name}.weight" for i in range(2) for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-        "input_layernorm", "post_attention_layernorm")),
+    "fc.weight",
+    "hidden_norm.weight",
+    "norm.weight",
+    *(
+        f"layers.{i}.{name}.weight"
+        for i in range(2)
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
+    ),
 }
 
 
 def tiny_target():
-    return TargetConfig.from_dict(dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
-                                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=256))
+    return TargetConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
 
 
 def tiny_drafter(seed=0, block_size=8):
@@ -72,8 +96,9 @@ def test_a_drafter_folder_says_what_it_is_and_loads_back(tmp_path, markov, ancho
     Markov head is labelled DSpark (DeepSpec's class, top-level keys, its block layout), so the
     authors' DFlash class never takes it and silently drops the head. Both load back equal."""
     torch.manual_seed(1)
-    cfg = DraftConfig.for_target(tiny_target(), num_layers=1, block_size=4, mask_token_id=5, markov_rank=markov,
-                                 sample_from_anchor=anchor)
+    cfg = DraftConfig.for_target(
+        tiny_target(), num_layers=1, block_size=4, mask_token_id=5, markov_rank=markov, sample_from_anchor=anchor
+    )
     DFlashDrafter(cfg).save(tmp_path / "d")
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     if markov:
@@ -105,14 +130,25 @@ def test_a_checkpoint_written_by_others_loads(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(reference))
     from safetensors.torch import save_file
+
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in DFlashDrafter(cfg).state_dict().items()}
     save_file({k: torch.randn(s) * 0.02 for k, s in shapes.items()}, str(folder / "model.safetensors"))
     model = DFlashDrafter.load(folder)
     assert model.config.hidden_size == 576 and len(model.layers) == 5
-    model.check_target(TargetConfig.from_dict(dict(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3)))
+    model.check_target(
+        TargetConfig.from_dict(
+            dict(
+                model_type="llama",
+                vocab_size=49152,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+            )
+        )
+    )
 
 
 def test_training_forward_with_a_mask_equals_the_cached_decode_forward():
@@ -128,14 +164,19 @@ def test_training_forward_with_a_mask_equals_the_cached_decode_forward():
     for i, a in enumerate(anchors):
         rows = slice(8 * i, 8 * i + 8)
         mask[0, 0, rows, :20] = keys_ctx < a  # context strictly before the anchor
-        mask[0, 0, rows, 20 + 8 * i: 28 + 8 * i] = True  # its own block, never the other
+        mask[0, 0, rows, 20 + 8 * i : 28 + 8 * i] = True  # its own block, never the other
     with torch.no_grad():
         train = model(blocks, positions, ctx, keys_ctx[None], mask=mask)
         for i, a in enumerate(anchors):
             cache = model.new_cache(1, 40)
-            dec = model(blocks[:, 8 * i: 8 * i + 8], torch.arange(a, a + 8)[None], ctx[:, :a],
-                        torch.arange(a)[None], cache=cache)
-            torch.testing.assert_close(train[:, 8 * i: 8 * i + 8], dec, atol=1e-5, rtol=1e-5)
+            dec = model(
+                blocks[:, 8 * i : 8 * i + 8],
+                torch.arange(a, a + 8)[None],
+                ctx[:, :a],
+                torch.arange(a)[None],
+                cache=cache,
+            )
+            torch.testing.assert_close(train[:, 8 * i : 8 * i + 8], dec, atol=1e-5, rtol=1e-5)
 
 
 def test_incremental_context_cache_equals_full_context():
@@ -175,8 +216,9 @@ def test_sliding_window_layers_round_trip_in_the_reference_fields(tmp_path):
     fields, and bad combinations are clear errors."""
     reference = json.loads(FIXTURE.read_text())
     n = reference["num_hidden_layers"]
-    reference.update(layer_types=["sliding_attention"] * (n - 1) + ["full_attention"], sliding_window=2048,
-                     use_sliding_window=True)
+    reference.update(
+        layer_types=["sliding_attention"] * (n - 1) + ["full_attention"], sliding_window=2048, use_sliding_window=True
+    )
     cfg = DraftConfig.from_dict(reference)
     assert [cfg.window(i) for i in range(n)] == [2048] * (n - 1) + [None]
     out = cfg.to_dict()
@@ -184,8 +226,9 @@ def test_sliding_window_layers_round_trip_in_the_reference_fields(tmp_path):
         assert out[key] == reference[key], key
     assert DraftConfig.from_dict(json.loads(FIXTURE.read_text())).window(0) is None  # all full: unchanged
     model = tiny_drafter()
-    cfg2 = DraftConfig.for_target(tiny_target(), num_layers=2, block_size=8, mask_token_id=5, sliding_window=3,
-                                  full_layers=[1])
+    cfg2 = DraftConfig.for_target(
+        tiny_target(), num_layers=2, block_size=8, mask_token_id=5, sliding_window=3, full_layers=[1]
+    )
     assert cfg2.layer_types == ["sliding_attention", "full_attention"]
     sliding = DFlashDrafter(cfg2).eval()
     sliding.load_state_dict(model.state_dict())
@@ -208,8 +251,14 @@ def test_a_sliding_window_sees_only_the_recent_context():
     ctx_len, bs = 20, 8
 
     def with_window(window, full_layers=()):
-        cfg = DraftConfig.for_target(tiny_target(), num_layers=2, block_size=bs, mask_token_id=5,
-                                     sliding_window=window, full_layers=list(full_layers))
+        cfg = DraftConfig.for_target(
+            tiny_target(),
+            num_layers=2,
+            block_size=bs,
+            mask_token_id=5,
+            sliding_window=window,
+            full_layers=list(full_layers),
+        )
         d = DFlashDrafter(cfg).eval()
         d.load_state_dict(base.state_dict())
         return d
@@ -243,8 +292,17 @@ def test_a_sliding_window_sees_only_the_recent_context():
         mask[..., : ctx_len - 4] = False
         ref = base(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None], mask)
         torch.testing.assert_close(one, ref, atol=2e-5, rtol=1e-4)
-        assert not torch.allclose(one, base(noise[:, :1], positions[:, :1], context, torch.arange(ctx_len)[None],
-                                            torch.ones(1, 1, 1, ctx_len + 1, dtype=torch.bool)), atol=1e-3)
+        assert not torch.allclose(
+            one,
+            base(
+                noise[:, :1],
+                positions[:, :1],
+                context,
+                torch.arange(ctx_len)[None],
+                torch.ones(1, 1, 1, ctx_len + 1, dtype=torch.bool),
+            ),
+            atol=1e-3,
+        )
 
 
 def test_a_bounded_draft_context_equals_hiding_all_but_the_last_w_tokens():
@@ -274,8 +332,8 @@ def test_a_bounded_draft_context_equals_hiding_all_but_the_last_w_tokens():
                 a = int(anchors[b])
                 mask = torch.ones(1, 1, bs, a + bs, dtype=torch.bool)
                 mask[..., : max(0, a - w)] = False
-                ref = model(noise[b:b + 1], positions[b:b + 1], truth[b:b + 1, :a], torch.arange(a)[None], mask)
-                torch.testing.assert_close(out[b:b + 1], ref, atol=2e-5, rtol=1e-4)
+                ref = model(noise[b : b + 1], positions[b : b + 1], truth[b : b + 1, :a], torch.arange(a)[None], mask)
+                torch.testing.assert_close(out[b : b + 1], ref, atol=2e-5, rtol=1e-4)
                 checked += 1
             # verify a block: features at anchor .. anchor+bs-1, the tail past the accepted ones junk
             feats = truth[torch.arange(2)[:, None], positions.clamp(max=n - 1)].clone()

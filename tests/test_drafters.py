@@ -13,6 +13,7 @@ from .test_train import tiny_config, tiny_corpus  # noqa: F401  (the fixture)
 
 class ToyDrafter(DFlashDrafter):
     """A stand-in kind: a DFlash backbone under another name."""
+
     kind = "toy"
 
 
@@ -30,12 +31,26 @@ def toy_kind():
         d.__class__ = ToyDrafter
         return d
 
-    kind = drafters.register(drafters.DrafterKind(
-        "toy", "toy drafter", "DFlashDraftModel", "--toy", "drafter", load, build, dflash.init_layers,
-        dflash.train_hidden, lambda d, t: DFlashProposer(d, t), describe=lambda d: "a toy"))
-    method = methods.register(methods.Method("toy", "the toy kind",
-                                             lambda e, spec: DFlashProposer(e.drafter_for("toy"), e.target),
-                                             drafter="toy"))
+    kind = drafters.register(
+        drafters.DrafterKind(
+            "toy",
+            "toy drafter",
+            "DFlashDraftModel",
+            "--toy",
+            "drafter",
+            load,
+            build,
+            dflash.init_layers,
+            dflash.train_hidden,
+            lambda d, t: DFlashProposer(d, t),
+            describe=lambda d: "a toy",
+        )
+    )
+    method = methods.register(
+        methods.Method(
+            "toy", "the toy kind", lambda e, spec: DFlashProposer(e.drafter_for("toy"), e.target), drafter="toy"
+        )
+    )
     yield kind
     del drafters.KINDS["toy"], methods.METHODS["toy"]
     assert method

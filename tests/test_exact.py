@@ -40,7 +40,7 @@ def test_the_check_refuses_a_width_dependent_product_and_passes_the_kernel_it_pi
     x = torch.randn(70, 64).to(dtype)
     with torch.inference_mode():
         together = layer(x)
-        assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in (0, 33, 65, 69))
+        assert all(torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in (0, 33, 65, 69))
 
 
 @pytest.mark.skipif(not native.supported(), reason="no AVX512-BF16 (or no compiler / ninja) here")
@@ -58,8 +58,9 @@ def test_the_native_bf16_product_is_row_independent_and_right(shape):
         x = torch.randn(70, shape[1], generator=gen).bfloat16()
         ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
         torch.testing.assert_close(native.linear(x, w, bias).float(), ref, rtol=2e-2, atol=2e-2)
-    assert not exact._row_independent(lambda x, w, b: native.linear(x, w, b) if x.shape[0] == 1 else split_sum(x, w, b),
-                                      w, None)
+    assert not exact._row_independent(
+        lambda x, w, b: native.linear(x, w, b) if x.shape[0] == 1 else split_sum(x, w, b), w, None
+    )
 
 
 # ---- a tiny target, every dtype: near ties are everywhere, so any inexactness shows -----------
@@ -68,8 +69,16 @@ def test_the_native_bf16_product_is_row_independent_and_right(shape):
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-exact")
-    save_tiny_hf("llama", path, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2)
+    save_tiny_hf(
+        "llama",
+        path,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return path
 
 
@@ -98,12 +107,17 @@ def prompts24():
     return out
 
 
-def run(target, proposer, prompts, block, *, temperature=0.0, batch_size=None, adaptive=False, max_new=24,
-        first=0):
+def run(target, proposer, prompts, block, *, temperature=0.0, batch_size=None, adaptive=False, max_new=24, first=0):
     """Output ids of each prompt; with a temperature prompt i samples with seed 100 + first + i."""
-    reqs = [Request(p, max_new_tokens=max_new, stop_token_ids=(),
-                    sampling=SamplingParams(temperature, seed=100 + first + i) if temperature else SamplingParams())
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            p,
+            max_new_tokens=max_new,
+            stop_token_ids=(),
+            sampling=SamplingParams(temperature, seed=100 + first + i) if temperature else SamplingParams(),
+        )
+        for i, p in enumerate(prompts)
+    ]
     states = []
     list(generate_steps(target, proposer, reqs, block, states, batch_size=batch_size, adaptive=adaptive))
     return [s.output_ids for s in states]
@@ -120,13 +134,16 @@ def test_every_method_gives_plain_decodings_tokens_in_low_precision(tiny_path, d
     target, drafter = tiny(tiny_path, dtype, step)
     prompts = prompts24()
     with torch.inference_mode():
-        ar = [run(target, Proposer(), [p], 1, temperature=temperature, first=i)[0]  # one row a step
-              for i, p in enumerate(prompts)]
+        ar = [
+            run(target, Proposer(), [p], 1, temperature=temperature, first=i)[0]  # one row a step
+            for i, p in enumerate(prompts)
+        ]
         assert run(target, Proposer(), prompts, 1, temperature=temperature) == ar  # 24 rows a step
         for block in (4, 8):
             assert run(target, DFlashProposer(drafter, target), prompts, block, temperature=temperature) == ar
-        assert run(target, DFlashProposer(drafter, target), prompts, 8, temperature=temperature,
-                   adaptive=True) == ar  # dflash-cut's policy: the verified width changes step to step
+        assert (
+            run(target, DFlashProposer(drafter, target), prompts, 8, temperature=temperature, adaptive=True) == ar
+        )  # dflash-cut's policy: the verified width changes step to step
         assert run(target, LookupProposer(), prompts, 4, temperature=temperature, batch_size=5) == ar
         tree = DFlashTreeProposer(drafter, target, top_k=3, tree_nodes=10)  # nodes in other slots than positions
         assert run(target, tree, prompts, tree.default_block_size, temperature=temperature) == ar
@@ -163,8 +180,17 @@ def test_a_width_dependent_step_is_refused_and_changes_speculative_output(tiny_p
             return step(tokens, positions, cache, slots, mask, rows, capture, features_only)
         target.native_step = None
         try:
-            return eager(target, tokens, positions, cache, slots=slots, mask=mask, rows=rows, capture=capture,
-                         features_only=features_only)
+            return eager(
+                target,
+                tokens,
+                positions,
+                cache,
+                slots=slots,
+                mask=mask,
+                rows=rows,
+                capture=capture,
+                features_only=features_only,
+            )
         finally:
             target.native_step = mutant
 
@@ -207,8 +233,9 @@ def test_default_target_in_bf16_speculates_exactly_with_every_method(bf16_engine
     """The shipped drafters (chains, cut chains and trees) and prompt lookup give `ar`'s bf16
     tokens on 24 chat prompts of different lengths, all in one batch."""
     e = bf16_engine
-    prompts = PROMPTS + [p + " Answer briefly." for p in PROMPTS] + ["Why?", "Name a colour.", "2+2=",
-                                                                      "Continue: 1, 2, 3,"]
+    prompts = (
+        PROMPTS + [p + " Answer briefly." for p in PROMPTS] + ["Why?", "Name a colour.", "2+2=", "Continue: 1, 2, 3,"]
+    )
     assert len(prompts) == 24
     ar = [g.token_ids for g in e.generate(prompts, chat=True, method="ar", max_new_tokens=12)]
     for method in ("dflash", "dflash-cut", "dflash-tree@8", "eagle3@4", "lookup"):
@@ -238,8 +265,11 @@ def test_the_speedup_is_measured_once_per_machine(monkeypatch, tmp_path):
 
     monkeypatch.setenv("BLOCKDRAFT_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(precision, "product_seconds", lambda dtype, **_: calls.append(dtype) or
-                        (0.004 if dtype == torch.float32 else 0.001))
+    monkeypatch.setattr(
+        precision,
+        "product_seconds",
+        lambda dtype, **_: calls.append(dtype) or (0.004 if dtype == torch.float32 else 0.001),
+    )
     assert precision.bf16_speedup() == 4.0 and precision.bf16_speedup() == 4.0
     assert calls == [torch.float32, torch.bfloat16]
 
@@ -257,6 +287,7 @@ def test_a_tree_node_meets_its_keys_as_it_would_decoded_alone():
 
     def path(i):
         return path(parents[i]) + [i] if i >= 0 else []
+
     gen = torch.Generator().manual_seed(0)
     gathered_wrong = scattered_wrong = 0
     for context in (5, 60, 130, 200):
@@ -274,11 +305,11 @@ def test_a_tree_node_meets_its_keys_as_it_would_decoded_alone():
             idx = list(range(context)) + [context + a for a in path(i)]
             n = -(-len(idx) // chunk) * chunk
             ka, va = (torch.zeros(1, kv, n, d) for _ in range(2))
-            ka[:, :, :len(idx)], va[:, :, :len(idx)] = k[:, :, idx], v[:, :, idx]
+            ka[:, :, : len(idx)], va[:, :, : len(idx)] = k[:, :, idx], v[:, :, idx]
             seen = torch.zeros(1, 1, 1, n, dtype=torch.bool)
-            seen[..., :len(idx)] = True
-            alone = attend_chunked(q[:, :, i:i + 1], ka, va, chunked_mask(seen, heads // kv), chunk)
-            gathered_wrong += not torch.equal(alone, gathered[:, :, i:i + 1])
-            scattered_wrong += not torch.equal(alone, scattered[:, :, i:i + 1])
+            seen[..., : len(idx)] = True
+            alone = attend_chunked(q[:, :, i : i + 1], ka, va, chunked_mask(seen, heads // kv), chunk)
+            gathered_wrong += not torch.equal(alone, gathered[:, :, i : i + 1])
+            scattered_wrong += not torch.equal(alone, scattered[:, :, i : i + 1])
     assert gathered_wrong == 0
     assert scattered_wrong > 0

@@ -16,9 +16,19 @@ from blockdraft.export import export_drafter
 from .conftest import drafter_with_markov_rank
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dflash-drafter-config.example.json"
-LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-         "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-         "post_attention_layernorm")
+LAYER = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +56,12 @@ def test_the_export_has_exactly_the_published_keys_and_weight_names(plain, expor
         names = set(f.keys())
         assert {f.get_tensor(n).dtype for n in names} == {torch.bfloat16}
     layers = config["num_hidden_layers"]
-    assert names == {"fc.weight", "hidden_norm.weight", "norm.weight",
-                     *(f"layers.{i}.{w}.weight" for i in range(layers) for w in LAYER)}
+    assert names == {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        *(f"layers.{i}.{w}.weight" for i in range(layers) for w in LAYER),
+    }
     # the source did carry the extension the export drops, and the weights are plain's, in bf16
     assert "draft_vocab" in DFlashDrafter.load(shipped_drafter("dflash")).state_dict()
     source = DFlashDrafter.load(plain).state_dict()
@@ -59,8 +73,7 @@ def test_the_exported_drafter_is_lossless_and_keeps_its_acceptance(plain, export
     """Scoring the whole vocabulary instead of the draft vocabulary changes no output token
     (verification decides) and, measured here, not the acceptance either."""
     engine = Engine.load(draft=plain)
-    prompts = ["Write a Python function that reverses a string.", "Name three primary colors.",
-               "def fibonacci(n):"]
+    prompts = ["Write a Python function that reverses a string.", "Name three primary colors.", "def fibonacci(n):"]
     ar = engine.generate(prompts, chat=True, method="ar", max_new_tokens=48)
     original = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=48)
     engine.drafter = DFlashDrafter.load(exported, dtype=engine.target.dtype)  # the engine's dtype (auto)
@@ -68,8 +81,10 @@ def test_the_exported_drafter_is_lossless_and_keeps_its_acceptance(plain, export
     ours = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=48)
     for a, o, x in zip(ar, original, ours, strict=False):
         assert x.token_ids == a.token_ids == o.token_ids
-    tau = [sum(sum(g.acceptance_lengths) for g in gens) / sum(len(g.acceptance_lengths) for g in gens)
-           for gens in (original, ours)]
+    tau = [
+        sum(sum(g.acceptance_lengths) for g in gens) / sum(len(g.acceptance_lengths) for g in gens)
+        for gens in (original, ours)
+    ]
     assert tau[0] > 1.0 and tau[1] >= 0.9 * tau[0], tau
 
 
@@ -78,8 +93,17 @@ def test_what_the_format_cannot_carry_is_a_clear_error(tmp_path):
     from blockdraft.models.config import TargetConfig
     from blockdraft.models.default import DEFAULT_TARGET_NAME
 
-    target = TargetConfig.from_dict(dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2))
+    target = TargetConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     cfg = DraftConfig.for_target(target, num_layers=2, mask_token_id=5)
     cfg.extra["blockdraft"] = {"context_mode": "input"}  # the ablation: context in the first layer only
     DFlashDrafter(cfg).save(tmp_path / "ablation")
@@ -97,8 +121,9 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
     drafter_with_markov_rank(shipped_drafter("dflash"), 32, tmp_path / "markov", seed=4, scale=1.0)
     drafter = DFlashDrafter.load(tmp_path / "markov")
     cfg = drafter.config
-    assert main(["export", "drafter", str(tmp_path / "markov"), "--out", str(tmp_path / "out"),
-                 "--dtype", "float32"]) == 0
+    assert (
+        main(["export", "drafter", str(tmp_path / "markov"), "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    )
     assert "DSpark's layout (Qwen3DSparkModel, a Markov head), float32" in capsys.readouterr().err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"]
@@ -110,8 +135,9 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
         w1, w2 = f.get_tensor("markov_head.markov_w1.weight"), f.get_tensor("markov_head.markov_w2.weight")
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= names and "draft_vocab" not in names
     assert torch.equal(w1, drafter.markov_head.markov_w1.weight)
-    assert (w2.shape == (cfg.vocab_size, 32)
-            and torch.equal(w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight))
+    assert w2.shape == (cfg.vocab_size, 32) and torch.equal(
+        w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight
+    )
     assert int((w2 != 0).any(-1).sum()) == drafter.draft_vocab.numel()
 
 
@@ -132,8 +158,10 @@ def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path
     export_drafter(source_dir, tmp_path / "dspark", torch.float32)
     back = DFlashDrafter.load(tmp_path / "dspark")
     assert back.config.markov_rank == source.config.markov_rank and getattr(back, "draft_vocab", None) is None
-    assert (back.config.mask_token_id, back.config.target_layer_ids) == (source.config.mask_token_id,
-                                                                         source.config.target_layer_ids)
+    assert (back.config.mask_token_id, back.config.target_layer_ids) == (
+        source.config.mask_token_id,
+        source.config.target_layer_ids,
+    )
     target = load_target(default_target_dir())
     torch.manual_seed(0)
     cfg = source.config
@@ -153,8 +181,10 @@ def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path
         previous = torch.cat([tokens[:, :1], chain[:, :-1]], 1)
         base_source, base_back = source.draft_logits(hs[:, 1:], head), back.draft_logits(hb[:, 1:], head)
         for k in range(block - 1):
-            torch.testing.assert_close(back._corrected(base_back[:, k], previous[:, k])[:, source.draft_vocab],
-                                       source._corrected(base_source[:, k], previous[:, k]))
+            torch.testing.assert_close(
+                back._corrected(base_back[:, k], previous[:, k])[:, source.draft_vocab],
+                source._corrected(base_source[:, k], previous[:, k]),
+            )
     engine = Engine.load(draft=tmp_path / "dspark")
     prompts = ["Write a Python function that reverses a string.", "Name three primary colors."]
     ar = engine.generate(prompts, chat=True, method="ar", max_new_tokens=32)
@@ -163,8 +193,9 @@ def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path
 
     config = json.loads((tmp_path / "dspark" / "config.json").read_text())
     # DeepSpec's own configs keep the mask token and target layers at the top level only
-    (tmp_path / "dspark" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                                   if k != "dflash_config"}))
+    (tmp_path / "dspark" / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "dflash_config"})
+    )
     cfg_back = DFlashDrafter.load(tmp_path / "dspark").config
     assert (cfg_back.mask_token_id, cfg_back.target_layer_ids) == (cfg.mask_token_id, cfg.target_layer_ids)
     (tmp_path / "dspark" / "config.json").write_text(json.dumps({**config, "enable_confidence_head": True}))

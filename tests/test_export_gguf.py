@@ -43,7 +43,9 @@ def test_the_metadata_is_what_llama_cpps_dflash_loader_reads(shipped, f32_export
     assert meta["dflash.block_count"] == cfg.num_hidden_layers
     assert meta["dflash.embedding_length"] == cfg.hidden_size
     assert (meta["dflash.attention.head_count"], meta["dflash.attention.head_count_kv"]) == (
-        cfg.num_attention_heads, cfg.num_key_value_heads)
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
     assert meta["dflash.rope.freq_base"] == cfg.rope_theta
     assert meta["tokenizer.ggml.mask_token_id"] == cfg.mask_token_id
     # the tokenizer is the target's own, token for token (llama.cpp checks that the two match)
@@ -90,8 +92,19 @@ def test_what_llama_cpp_cannot_run_is_a_clear_error(shipped, tmp_path, capsys):
         check_runnable(cfg, 30)
     cfg.target_layer_ids = [1, 14, 28]
     check_runnable(cfg, 30)
-    assert main(["export", "gguf-drafter", "--out", str(tmp_path / "x.gguf"),
-                 "--target-gguf", str(tmp_path / "missing.gguf")]) != 0
+    assert (
+        main(
+            [
+                "export",
+                "gguf-drafter",
+                "--out",
+                str(tmp_path / "x.gguf"),
+                "--target-gguf",
+                str(tmp_path / "missing.gguf"),
+            ]
+        )
+        != 0
+    )
     assert "target GGUF not found" in capsys.readouterr().err
     eagle = shipped_drafter("eagle3")
     assert main(["export", "gguf-drafter", str(eagle), "--out", str(tmp_path / "e.gguf"), "--default-target"]) != 0
@@ -106,13 +119,18 @@ def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, f32_export, tm
     cfg = DraftConfig.from_dict({**shipped.config.to_dict(), "markov_rank": 32})
     torch.manual_seed(3)
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict({**shipped.state_dict(), **{k: v for k, v in drafter.state_dict().items()
-                                                          if k.startswith("markov_head.")}})
+    drafter.load_state_dict(
+        {**shipped.state_dict(), **{k: v for k, v in drafter.state_dict().items() if k.startswith("markov_head.")}}
+    )
     drafter.markov_head.markov_w2.weight.data.normal_()
     drafter.save(tmp_path / "markov")
     out = tmp_path / "m.gguf"
-    assert main(["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(out), "--type", "F32",
-                 "--default-target"]) == 0
+    assert (
+        main(
+            ["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(out), "--type", "F32", "--default-target"]
+        )
+        == 0
+    )
     meta, tensors = read_gguf_drafter(out)
     assert spec_type(out) == "draft-dspark"
     assert spec_type(f32_export[0]) == ("draft-dspark" if shipped.config.markov_rank else "draft-dflash")
@@ -121,8 +139,22 @@ def test_a_markov_head_goes_as_llama_cpps_dspark_tensors(shipped, f32_export, tm
     assert torch.equal(tensors["markov_w1.weight"], w1) and torch.equal(tensors["markov_w2.weight"], w2)
     assert torch.equal(tensors["d2t"], drafter.draft_vocab)
     full = tmp_path / "full.gguf"
-    assert main(["export", "gguf-drafter", str(tmp_path / "markov"), "--out", str(full), "--type", "F32",
-                 "--default-target", "--full-vocab"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "gguf-drafter",
+                str(tmp_path / "markov"),
+                "--out",
+                str(full),
+                "--type",
+                "F32",
+                "--default-target",
+                "--full-vocab",
+            ]
+        )
+        == 0
+    )
     _, tensors = read_gguf_drafter(full)
     spread = tensors["markov_w2.weight"]
     assert spread.shape == (cfg.vocab_size, 32) and "d2t" not in tensors

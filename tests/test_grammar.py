@@ -22,12 +22,21 @@ from blockdraft.sampling import SamplingParams, target_probs
 
 from .test_sampling import PROMPT, V, L, chi_square, sample_counts, tiny  # noqa: F401 (the tiny target fixture)
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "hobbies": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "hobbies"], "additionalProperties": False}
-PROMPTS = ["Describe a fictional person as JSON with name, age and hobbies.",
-           "Give me a JSON profile of a cat owner.",
-           "Write a JSON record for a chess player."]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Describe a fictional person as JSON with name, age and hobbies.",
+    "Give me a JSON profile of a cat owner.",
+    "Write a JSON record for a chess player.",
+]
 METHODS = ["dflash", "dflash-cut", "dflash-tree", "eagle3", "lookup"]
 
 
@@ -38,8 +47,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def ar_json(engine):
-    return engine.generate(PROMPTS, chat=True, method="ar", max_new_tokens=64,
-                           grammar=GrammarSpec("json_schema", SCHEMA))
+    return engine.generate(
+        PROMPTS, chat=True, method="ar", max_new_tokens=64, grammar=GrammarSpec("json_schema", SCHEMA)
+    )
 
 
 def check_schema(text: str):
@@ -61,15 +71,18 @@ def test_ar_under_a_schema_writes_valid_json_or_stops_for_length(engine, ar_json
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_under_a_schema_gives_ar_tokens(engine, ar_json, method):
-    ours = engine.generate(PROMPTS, chat=True, method=method, max_new_tokens=64,
-                           grammar=GrammarSpec("json_schema", SCHEMA))
+    ours = engine.generate(
+        PROMPTS, chat=True, method=method, max_new_tokens=64, grammar=GrammarSpec("json_schema", SCHEMA)
+    )
     assert [g.token_ids for g in ours] == [g.token_ids for g in ar_json]
     assert [g.finish_reason for g in ours] == [g.finish_reason for g in ar_json]
 
 
 def test_regex_and_choice_outputs_match_and_equal_ar(engine):
-    for spec, check in [(GrammarSpec("regex", r"[0-9]{3}-[0-9]{4}"), lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
-                        (GrammarSpec("choice", ["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe"))]:
+    for spec, check in [
+        (GrammarSpec("regex", r"[0-9]{3}-[0-9]{4}"), lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        (GrammarSpec("choice", ["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+    ]:
         prompt = "Is the sky blue? Answer, or give a phone number."
         ar = engine.generate(prompt, chat=True, method="ar", max_new_tokens=16, grammar=spec)
         ours = engine.generate(prompt, chat=True, method="dflash", max_new_tokens=16, grammar=spec)
@@ -88,23 +101,27 @@ def test_a_grammar_the_drafts_ignore_is_caught_by_the_test(engine, ar_json, monk
 
     monkeypatch.setattr(decode_mod, "chain_masks", committed_state_only)
     try:
-        ours = engine.generate(PROMPTS, chat=True, method="dflash", max_new_tokens=64,
-                               grammar=GrammarSpec("json_schema", SCHEMA))
+        ours = engine.generate(
+            PROMPTS, chat=True, method="dflash", max_new_tokens=64, grammar=GrammarSpec("json_schema", SCHEMA)
+        )
     except RuntimeError as exc:  # the loop's own check: an emitted token the grammar refuses
         assert "grammar refused" in str(exc)
         return
     assert [g.token_ids for g in ours] != [g.token_ids for g in ar_json]
 
 
-@pytest.mark.parametrize("spec, why", [
-    (GrammarSpec("regex", "(a"), "regex cannot be compiled"),
-    (GrammarSpec("json_schema", {"type": "nonsense"}), "json schema cannot be compiled"),
-    (GrammarSpec("json_schema", "{not json"), "not valid JSON"),
-    (GrammarSpec("choice", []), "non-empty list"),
-    (GrammarSpec("lark", "start: foo"), "cannot be compiled"),
-    (GrammarSpec("regex", "[^\\x00-\\U0010FFFF]"), "matches no text"),
-    (GrammarSpec("yaml", "a: b"), "unknown grammar kind"),
-])
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (GrammarSpec("regex", "(a"), "regex cannot be compiled"),
+        (GrammarSpec("json_schema", {"type": "nonsense"}), "json schema cannot be compiled"),
+        (GrammarSpec("json_schema", "{not json"), "not valid JSON"),
+        (GrammarSpec("choice", []), "non-empty list"),
+        (GrammarSpec("lark", "start: foo"), "cannot be compiled"),
+        (GrammarSpec("regex", "[^\\x00-\\U0010FFFF]"), "matches no text"),
+        (GrammarSpec("yaml", "a: b"), "unknown grammar kind"),
+    ],
+)
 def test_bad_grammars_are_one_line_errors(engine, spec, why):
     with pytest.raises(BlockdraftError, match=why) as info:
         engine.generate("Hi", method="ar", max_new_tokens=4, grammar=spec)
@@ -112,6 +129,7 @@ def test_bad_grammars_are_one_line_errors(engine, spec, why):
 
 
 # ---- sampling: the exact masked distribution of a tiny target --------------------------------
+
 
 class ToyMatcher:
     """A path-dependent toy grammar over the tiny target's 6 tokens: the next token differs from
@@ -134,7 +152,7 @@ class ToyMatcher:
         return True
 
     def rollback(self, n):
-        del self.path[len(self.path) - n:]
+        del self.path[len(self.path) - n :]
 
 
 class ToyGrammar:
@@ -149,13 +167,13 @@ def toy_distribution(hf, params: SamplingParams) -> dict[tuple, float]:
     dist = {}
     for seq in itertools.product(range(V), repeat=L):
         with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1:].clone()
+            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :].clone()
         m = ToyMatcher()
         p = 1.0
         for i, t in enumerate(seq):
             mask = m.allowed()
             logits[i, ~mask] = float("-inf")
-            probs = target_probs(logits[i:i + 1], one(params.temperature), one(params.top_p), one(params.top_k))
+            probs = target_probs(logits[i : i + 1], one(params.temperature), one(params.top_p), one(params.top_k))
             p *= float(probs[0, t])
             if p == 0:
                 break
@@ -170,8 +188,7 @@ def test_sampling_under_a_grammar_follows_the_masked_target_distribution(tiny, t
     params = SamplingParams(1.0)
     dist = toy_distribution(hf, params)
     assert max(dist.values()) < 0.6 and sum(v == 0 for v in dist.values()) > 50  # spread, and masked
-    proposer = (DFlashTreeProposer(drafter, target, top_k=2, tree_nodes=5) if tree
-                else DFlashProposer(drafter, target))
+    proposer = DFlashTreeProposer(drafter, target, top_k=2, tree_nodes=5) if tree else DFlashProposer(drafter, target)
     counts = sample_counts(target, proposer, params, grammar=ToyGrammar())
     assert all(dist[seq] > 0 for seq in counts), "an output the grammar forbids"
     stat, critical = chi_square(dist, counts)

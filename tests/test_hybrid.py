@@ -18,12 +18,7 @@ from blockdraft.decode import DecodeLoop
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import load_target, quant
-from blockdraft.proposers import (
-    DFlashProposer,
-    DFlashTreeProposer,
-    LookupProposer,
-    Proposer,
-)
+from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sequences import Request
 
 from .test_decode import RiggedProposer, run_sorting
@@ -39,11 +34,26 @@ TOL = dict(atol=1e-3, rtol=1e-4)
 def text_config(**overrides):
     from transformers import Qwen3_5TextConfig
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
-              max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
-              initializer_range=0.2)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=LAYER_TYPES,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
     kw.update(overrides)
     return Qwen3_5TextConfig(**kw)
 
@@ -79,15 +89,17 @@ def prompts():
 def hf_greedy(hybrid, prompts):
     hf, _ = hybrid
     with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p) :].tolist() for p in prompts
+        ]
 
 
 @pytest.fixture(scope="module")
 def drafter(hybrid):
     torch.manual_seed(4)
-    cfg = DraftConfig.for_target(hybrid[1].config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1,
-                                 target_layer_ids=[1, 2])  # a linear and an attention layer's output
+    cfg = DraftConfig.for_target(
+        hybrid[1].config, num_layers=1, block_size=8, mask_token_id=VOCAB - 1, target_layer_ids=[1, 2]
+    )  # a linear and an attention layer's output
     return DFlashDrafter(cfg).eval()
 
 
@@ -171,7 +183,7 @@ def test_bfloat16_weights_are_as_close_to_float32_as_hf_bfloat16(hybrid, tmp_pat
         ours.commit(cache, slice(None), torch.tensor([40]))
         rows = [ours.logits(h[0]).float()]
         for p in range(40, 48):
-            h, _ = ours(seq[:, p:p + 1], torch.tensor([[p]]), cache)
+            h, _ = ours(seq[:, p : p + 1], torch.tensor([[p]]), cache)
             ours.commit(cache, slice(None), torch.tensor([p + 1]))
             rows.append(ours.logits(h[0]).float())
     mine = torch.cat(rows)
@@ -208,8 +220,10 @@ def test_prompt_lookup_stays_exact_and_accepts_drafts(hybrid, prompts, hf_greedy
     context = [t for ref in hf_greedy for t in ref]
     lookup_prompts = [context + p for p in prompts]
     with torch.no_grad():
-        refs = [hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p):].tolist()
-                for p in lookup_prompts]
+        refs = [
+            hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in lookup_prompts
+        ]
     states, _ = run(target, LookupProposer(), lookup_prompts, 4)
     for out, ref in zip(states, refs, strict=False):
         assert out.output_ids == ref
@@ -244,10 +258,18 @@ def test_a_vision_language_folder_loads_its_language_model(tmp_path, prompts):
     under model.language_model., a vision tower and an MTP head to ignore, tied output head)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
-                  num_position_embeddings=16)
-    config = Qwen3_5Config(text_config=text_config(tie_word_embeddings=True).to_dict(), vision_config=vision,
-                           tie_word_embeddings=True)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        num_position_embeddings=16,
+    )
+    config = Qwen3_5Config(
+        text_config=text_config(tie_word_embeddings=True).to_dict(), vision_config=vision, tie_word_embeddings=True
+    )
     torch.manual_seed(2)
     hf = Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():

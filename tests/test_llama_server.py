@@ -24,9 +24,11 @@ from .conftest import drafter_with_markov_rank
 
 pytestmark = pytest.mark.skipif(find_llama_server() is None, reason=BUILD_HINT)
 
-PROMPTS = ["Write a Python function that checks whether a number is prime.",
-           "Explain in two sentences why the sky is blue.",
-           "What is 17 * 23? Show your steps."]
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 17 * 23? Show your steps.",
+]
 NEW = 64
 
 
@@ -101,9 +103,16 @@ def test_the_bench_runs_llama_server_on_each_file_and_names_the_files_and_the_bu
 
     engine = Engine.load(use_draft=False, dtype=torch.float32)
     (tmp_path / "p.jsonl").write_text(json.dumps({"turns": [PROMPTS[0]]}) + "\n")
-    reports = bench_command(engine, dataset=None, prompts_file=str(tmp_path / "p.jsonl"), max_samples=None,
-                            methods=["ar", "llamacpp-server", "llamacpp-server-q4_1"], max_new_tokens=8,
-                            temperature=0.0, out=str(tmp_path / "out"))
+    reports = bench_command(
+        engine,
+        dataset=None,
+        prompts_file=str(tmp_path / "p.jsonl"),
+        max_samples=None,
+        methods=["ar", "llamacpp-server", "llamacpp-server-q4_1"],
+        max_new_tokens=8,
+        temperature=0.0,
+        out=str(tmp_path / "out"),
+    )
     report = next(iter(reports.values()))
     assert report["gguf"].endswith("F32.gguf (F32)") and report["gguf_q4_1"].endswith("Q4_1.gguf (Q4_1)")
     assert "AVX" in report["llama_server"]["build"]

@@ -10,9 +10,17 @@ from .conftest import save_tiny_hf
 
 ARCHS = {
     "llama": {},
-    "llama-bias-rope3": {"attention_bias": True, "tie_word_embeddings": True,
-                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "llama-bias-rope3": {
+        "attention_bias": True,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
     "qwen2": {},
     "qwen3": {},
     "mistral": {"sliding_window": 8},
@@ -120,7 +128,7 @@ def test_cache_slots_apart_from_positions_with_an_explicit_mask(tmp_path):
         slot_pos[:12] = torch.arange(12)
         slot_pos[slots[0]] = torch.arange(12, 20)
         pos = torch.arange(12, 20)[None]
-        mask = (slot_pos[None, None, None, :48] <= pos[:, None, :, None])
+        mask = slot_pos[None, None, None, :48] <= pos[:, None, :, None]
         h, _ = ours(torch.tensor([ids[12:]]), pos, cache, slots=slots, mask=mask)
         torch.testing.assert_close(ours.logits(h), ours.logits(ref[:, 12:]), atol=1e-5, rtol=1e-5)
         # siblings: two candidates for position 12 in slots 50 and 51, each seeing the context only
@@ -172,7 +180,7 @@ def test_bf16_weights_attend_in_fp32_on_cpu_and_stay_as_close_as_hf_bf16(tmp_pat
         h, _ = ours(seq[:, :40], torch.arange(40)[None], cache)
         rows = [ours.logits(h[0]).float()]
         for p in range(40, 48):
-            h, _ = ours(seq[:, p:p + 1], torch.tensor([[p]]), cache)
+            h, _ = ours(seq[:, p : p + 1], torch.tensor([[p]]), cache)
             rows.append(ours.logits(h[0]).float())
         no_cache, _ = ours(seq, torch.arange(48)[None], None)
     assert h.dtype == torch.bfloat16
@@ -193,7 +201,7 @@ def test_kv_grouped_attention_is_grouped_query_attention(heads, kv_heads, t):
     q, k, v = torch.randn(b, heads, t, d), torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
     kk, vv = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
     for mask in (None, torch.rand(b, 1, t, s) > 0.4, torch.rand(1, 1, t, s) > 0.4):
-        scores = q @ kk.transpose(-1, -2) / d ** 0.5
+        scores = q @ kk.transpose(-1, -2) / d**0.5
         if mask is not None:
             mask[..., 0] = True
             scores = scores.masked_fill(~mask, float("-inf"))

@@ -91,8 +91,9 @@ def test_the_fused_step_features_only_stops_at_the_deepest_captured_layer(tmp_pa
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         hidden, full = model(ids, torch.arange(6).expand(2, -1), model.new_cache(2, 8), capture=(1,))
-        none, features = model(ids, torch.arange(6).expand(2, -1), model.new_cache(2, 8), capture=(1,),
-                               features_only=True)
+        none, features = model(
+            ids, torch.arange(6).expand(2, -1), model.new_cache(2, 8), capture=(1,), features_only=True
+        )
     assert none is None and hidden.shape == (2, 6, 64) and torch.equal(features, full)
 
 

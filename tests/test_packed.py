@@ -7,8 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.models.packed import (PackedLinear, WeightPacks, available_kernels, kernel_choices,
-                                     pack_linears, packing_available, unpack_linears)
+from blockdraft.models.packed import (
+    PackedLinear,
+    WeightPacks,
+    available_kernels,
+    kernel_choices,
+    pack_linears,
+    packing_available,
+    unpack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no packed kernel")
 
@@ -41,7 +48,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
     with torch.inference_mode():
         together = packs.linear(x, w)
         for i in range(8):  # alone (padded with zeros) and beside other random rows
-            assert torch.equal(packs.linear(x[i:i + 1], w)[0], together[i])
+            assert torch.equal(packs.linear(x[i : i + 1], w)[0], together[i])
             other = torch.randn(8, 64)
             other[3] = x[i]
             assert torch.equal(packs.linear(other[:5], w)[3], together[i])

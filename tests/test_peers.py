@@ -25,20 +25,22 @@ def test_f32_gguf_is_our_fp32_weights(f32_file, smol):
             assert out.fields[name].contents() == field.contents(), name
     assert out.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
     tensors = {t.name: t for t in out.tensors}
-    assert len(tensors) == len(src.tensors) and all(t.tensor_type == gguf.GGMLQuantizationType.F32
-                                                    for t in out.tensors)
+    assert len(tensors) == len(src.tensors) and all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in out.tensors)
     # every tensor is the de-quantization of the original...
     for t in src.tensors[:12]:
-        np.testing.assert_array_equal(np.asarray(tensors[t.name].data),
-                                      gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(tensors[t.name].data), gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        )
     # ...and equal to the weights blockdraft runs (tensors llama.cpp stores unpermuted)
     layer = smol.model.layers[7]
-    ours = {"token_embd.weight": smol.model.embed_tokens.weight,
-            "blk.7.attn_v.weight": layer.self_attn.qkv_proj.weight[-192:],
-            "blk.7.attn_output.weight": layer.self_attn.o_proj.weight,
-            "blk.7.ffn_down.weight": layer.mlp.down_proj.weight,
-            "blk.7.ffn_up.weight": layer.mlp.gate_up_proj.weight[1536:],
-            "blk.7.attn_norm.weight": layer.input_layernorm.weight}
+    ours = {
+        "token_embd.weight": smol.model.embed_tokens.weight,
+        "blk.7.attn_v.weight": layer.self_attn.qkv_proj.weight[-192:],
+        "blk.7.attn_output.weight": layer.self_attn.o_proj.weight,
+        "blk.7.ffn_down.weight": layer.mlp.down_proj.weight,
+        "blk.7.ffn_up.weight": layer.mlp.gate_up_proj.weight[1536:],
+        "blk.7.attn_norm.weight": layer.input_layernorm.weight,
+    }
     for name, weight in ours.items():
         assert torch.equal(torch.from_numpy(np.array(tensors[name].data)), weight.detach()), name
 
@@ -90,8 +92,15 @@ def test_llamacpp_logits_match_ours(f32_file, smol, chat_ids):
     from llama_cpp import Llama
 
     # an F32 KV cache (llama.cpp's default is F16) so that only the kernels differ
-    llm = Llama(model_path=str(f32_file), n_ctx=512, n_threads=torch.get_num_threads(), logits_all=True,
-                type_k=0, type_v=0, verbose=False)
+    llm = Llama(
+        model_path=str(f32_file),
+        n_ctx=512,
+        n_threads=torch.get_num_threads(),
+        logits_all=True,
+        type_k=0,
+        type_v=0,
+        verbose=False,
+    )
     ids = chat_ids[0]
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
@@ -110,9 +119,25 @@ def test_llamacpp_peer_greedy_equals_ar(tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Write a Python function that reverses a string."]}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--prompts", str(prompts), "--methods",
-                           "ar,llamacpp,llamacpp-lookup@4,llamacpp-q4_1", "--max-new-tokens", "48", "--out",
-                           str(tmp_path / "o")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "blockdraft",
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "ar,llamacpp,llamacpp-lookup@4,llamacpp-q4_1",
+            "--max-new-tokens",
+            "48",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "o" / "results.json").read_text())
     methods = report["methods"]

@@ -4,7 +4,6 @@ drafts the last token again and again); a new target family is one model class a
 `register` line (a toy Llama with its own checkpoint names). The toy drafter kind is in
 test_drafters.py."""
 
-
 import pytest
 import torch
 
@@ -26,10 +25,14 @@ class RepeatProposer(Proposer):
 
 @pytest.fixture
 def repeat_method():
-    method = methods.register(methods.Method("repeat", "drafts the last token again",
-                                             lambda engine, spec: RepeatProposer()))
-    methods.register(methods.Method("repeat-adaptive", "the same, sized by measured speed",
-                                    lambda engine, spec: RepeatProposer(), adaptive=True))
+    method = methods.register(
+        methods.Method("repeat", "drafts the last token again", lambda engine, spec: RepeatProposer())
+    )
+    methods.register(
+        methods.Method(
+            "repeat-adaptive", "the same, sized by measured speed", lambda engine, spec: RepeatProposer(), adaptive=True
+        )
+    )
     yield method
     del methods.METHODS["repeat"], methods.METHODS["repeat-adaptive"]
 

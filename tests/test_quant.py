@@ -10,11 +10,7 @@ import torch.nn.functional as F
 from blockdraft.batcher import generate_steps
 from blockdraft.models import load_target, quant
 from blockdraft.models.default import default_target_dir, gguf_path
-from blockdraft.models.layers import (
-    attend_chunked,
-    chunked_attention_is_exact,
-    chunked_mask,
-)
+from blockdraft.models.layers import attend_chunked, chunked_attention_is_exact, chunked_mask
 from blockdraft.proposers import DFlashProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams, target_probs
 from blockdraft.sequences import Request
@@ -40,10 +36,15 @@ def test_gguf_integers_are_the_weights_we_run_in_fp32(smol):
         layer = smol.model.layers[i]
         qkv = layer.self_attn.qkv_proj.weight.detach()
         gate_up = layer.mlp.gate_up_proj.weight.detach()
-        expected = {"attn_q": (cfg.num_attention_heads, qkv[:576]), "attn_k": (cfg.num_key_value_heads, qkv[576:768]),
-                    "attn_v": (None, qkv[768:]), "attn_output": (None, layer.self_attn.o_proj.weight.detach()),
-                    "ffn_gate": (None, gate_up[:1536]), "ffn_up": (None, gate_up[1536:]),
-                    "ffn_down": (None, layer.mlp.down_proj.weight.detach())}
+        expected = {
+            "attn_q": (cfg.num_attention_heads, qkv[:576]),
+            "attn_k": (cfg.num_key_value_heads, qkv[576:768]),
+            "attn_v": (None, qkv[768:]),
+            "attn_output": (None, layer.self_attn.o_proj.weight.detach()),
+            "ffn_gate": (None, gate_up[:1536]),
+            "ffn_up": (None, gate_up[1536:]),
+            "ffn_down": (None, layer.mlp.down_proj.weight.detach()),
+        }
         for name, (heads, weight) in expected.items():
             t = tensors[f"blk.{i}.{name}.weight"]
             cols, rows = (int(x) for x in t.shape)
@@ -140,8 +141,16 @@ def tiny_q4(tmp_path_factory):
     from blockdraft.draft import DFlashDrafter, DraftConfig
 
     path = tmp_path_factory.mktemp("tinyq")
-    hf = save_tiny_hf("llama", path, vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2)
+    hf = save_tiny_hf(
+        "llama",
+        path,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with torch.no_grad():
         hf.lm_head.weight.mul_(25)
     hf.save_pretrained(str(path))
@@ -165,8 +174,9 @@ def test_q4_1_sampling_follows_the_quantized_target(tiny_q4):
         for seq in itertools.product(range(V), repeat=L):
             ids = PROMPT + list(seq[:-1])
             hidden, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None])
-            probs = target_probs(target.logits(hidden)[0, len(PROMPT) - 1:], one(1.0).expand(L), one(1.0).expand(L),
-                                 one(0).expand(L))
+            probs = target_probs(
+                target.logits(hidden)[0, len(PROMPT) - 1 :], one(1.0).expand(L), one(1.0).expand(L), one(0).expand(L)
+            )
             dist[seq] = math.prod(float(probs[i, t]) for i, t in enumerate(seq))
     assert max(dist.values()) < 0.6
     counts = {}

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from blockdraft.serve.client import ServerProcess
-from blockdraft.train.data import iter_samples, regenerate
+from blockdraft.train.data import iter_samples
+from blockdraft.train.regen import regenerate
 from blockdraft.train.remote import RemoteTarget, ServerGone
 
 MIX = "sharegpt=2,asdiv=1,sharegpt-later=1"
@@ -45,15 +46,23 @@ def same_answers(folder, reference, fields=("prompt_ids", "answer_ids", "finish_
 def test_server_answers_equal_in_process_ones_with_and_without_token_ids(engine, in_process, tmp_path):
     assert len(in_process) == 10
     with ServerProcess(*SERVE) as server:
-        stats = regenerate(remote(server.url, engine, concurrency=4), tmp_path / "ids", mix=MIX, limit=10,
-                           max_new_tokens=N_NEW, concurrency=4, progress=False)
+        stats = regenerate(
+            remote(server.url, engine, concurrency=4),
+            tmp_path / "ids",
+            mix=MIX,
+            limit=10,
+            max_new_tokens=N_NEW,
+            concurrency=4,
+            progress=False,
+        )
         assert stats.written == 10 and stats.from_text == 0 and stats.prompt_mismatches == 0
         got = same_answers(tmp_path / "ids", in_process)
         assert all(s["method"].startswith("server:") for s in got)
         # a server that returns text only: the tokenizer here makes the ids (end-of-turn token appended)
         text = remote(server.url, engine, concurrency=4, ask_token_ids=False)
-        stats = regenerate(text, tmp_path / "text", mix=MIX, limit=10, max_new_tokens=N_NEW, concurrency=4,
-                           progress=False)
+        stats = regenerate(
+            text, tmp_path / "text", mix=MIX, limit=10, max_new_tokens=N_NEW, concurrency=4, progress=False
+        )
     assert stats.written == 10 and stats.from_text == 10
     got = list(iter_samples(tmp_path / "text"))
     same = sum(s["answer_ids"] == in_process[s["id"]]["answer_ids"] for s in got)
@@ -68,8 +77,15 @@ def test_a_server_that_dies_mid_run_loses_nothing_and_duplicates_nothing(engine,
 
     def run():
         try:
-            regenerate(remote(server.url, engine, concurrency=2, retries=1), out, mix=MIX, limit=10,
-                       max_new_tokens=N_NEW, concurrency=2, progress=False)
+            regenerate(
+                remote(server.url, engine, concurrency=2, retries=1),
+                out,
+                mix=MIX,
+                limit=10,
+                max_new_tokens=N_NEW,
+                concurrency=2,
+                progress=False,
+            )
         except ServerGone as exc:
             result["error"] = exc
 
@@ -85,7 +101,14 @@ def test_a_server_that_dies_mid_run_loses_nothing_and_duplicates_nothing(engine,
     first = same_answers(out, in_process)
     assert 3 <= len(first) < 10
     with ServerProcess(*SERVE) as again:  # a new server (another port): the run resumes
-        stats = regenerate(remote(again.url, engine, concurrency=2), out, mix=MIX, limit=10, max_new_tokens=N_NEW,
-                           concurrency=2, progress=False)
+        stats = regenerate(
+            remote(again.url, engine, concurrency=2),
+            out,
+            mix=MIX,
+            limit=10,
+            max_new_tokens=N_NEW,
+            concurrency=2,
+            progress=False,
+        )
     assert stats.written == 10 - len(first)
     assert len(same_answers(out, in_process)) == 10

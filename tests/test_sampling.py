@@ -12,13 +12,7 @@ from blockdraft.bench.stats import chi2_goodness_of_fit
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.models import load_target
 from blockdraft.proposers import DFlashProposer, Proposer
-from blockdraft.sampling import (
-    SamplingParams,
-    kept_tokens,
-    position_uniforms,
-    sample_tokens,
-    target_probs,
-)
+from blockdraft.sampling import SamplingParams, kept_tokens, position_uniforms, sample_tokens, target_probs
 from blockdraft.sequences import Request
 
 from .conftest import save_tiny_hf
@@ -31,8 +25,16 @@ N_SAMPLES = 3000
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    hf = save_tiny_hf("llama", path, vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2)
+    hf = save_tiny_hf(
+        "llama",
+        path,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with torch.no_grad():  # sharpen the distributions so they are far from uniform
         hf.lm_head.weight.mul_(25)
     hf.save_pretrained(str(path))
@@ -47,20 +49,27 @@ def exact_distribution(hf, params: SamplingParams) -> dict[tuple, float]:
     dist = {}
     for seq in itertools.product(range(V), repeat=L):
         with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1:]
-        probs = target_probs(logits, one(params.temperature).expand(L), one(params.top_p).expand(L),
-                             one(params.top_k).expand(L))
+            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
+        probs = target_probs(
+            logits, one(params.temperature).expand(L), one(params.top_p).expand(L), one(params.top_k).expand(L)
+        )
         dist[seq] = math.prod(float(probs[i, t]) for i, t in enumerate(seq))
     return dist
 
 
-def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=500,
-                  grammar=None) -> dict[tuple, int]:
+def sample_counts(target, proposer, params: SamplingParams, n=N_SAMPLES, batch=500, grammar=None) -> dict[tuple, int]:
     """How often each continuation comes out of n seeded runs (`grammar`: each request's, if any)."""
     counts: dict[tuple, int] = {}
     for start in range(0, n, batch):
-        reqs = [Request(PROMPT, max_new_tokens=L, grammar=grammar, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
+        reqs = [
+            Request(
+                PROMPT,
+                max_new_tokens=L,
+                grammar=grammar,
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i),
+            )
+            for i in range(batch)
+        ]
         states = []
         for _ in generate_steps(target, proposer, reqs, 4, states):
             pass
@@ -135,8 +144,14 @@ def test_the_test_rejects_common_wrong_acceptance_rules(tiny, monkeypatch):
 def test_a_seed_gives_the_same_tokens_with_and_without_speculation(tiny):
     _, target, drafter = tiny
     for params in CASES:
-        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(40)]
+        reqs = [
+            Request(
+                PROMPT,
+                max_new_tokens=12,
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
+            )
+            for s in range(40)
+        ]
         outs = {}
         for name, proposer in [("ar", Proposer()), ("dflash", DFlashProposer(drafter, target))]:
             states = []
@@ -148,11 +163,8 @@ def test_a_seed_gives_the_same_tokens_with_and_without_speculation(tiny):
 
 
 def test_target_probs_match_hf_logits_warpers():
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     for t, k, p in [(1.0, 0, 1.0), (0.5, 7, 1.0), (1.5, 0, 0.6), (0.8, 10, 0.9)]:
@@ -208,15 +220,19 @@ def test_sample_tokens_draw_by_inverse_cdf_in_token_order():
     for r, sp in enumerate(params):
         ref = full_sort_probs(logits[r], sp.temperature, sp.top_p, sp.top_k)
         cdf = ref.cumsum(-1)
-        u = position_uniforms([sp.seed], positions[r:r + 1])[0]
+        u = position_uniforms([sp.seed], positions[r : r + 1])[0]
         want = [int(torch.searchsorted(cdf[i], u[i] * cdf[i, -1], right=True)) for i in range(t)]
         assert got[r].tolist() == want
         assert all(ref[i, tok] > 0 for i, tok in enumerate(want))
 
 
 def test_sampled_smollm2_is_reproducible_and_identical_across_methods(smol, chat_ids, random_drafter):
-    reqs = [Request(chat_ids[i], max_new_tokens=16, sampling=SamplingParams(1.0, top_p=0.95, seed=7 + i),
-                    stop_token_ids=(2,)) for i in (0, 2)]
+    reqs = [
+        Request(
+            chat_ids[i], max_new_tokens=16, sampling=SamplingParams(1.0, top_p=0.95, seed=7 + i), stop_token_ids=(2,)
+        )
+        for i in (0, 2)
+    ]
     runs = []
     for proposer in (Proposer(), DFlashProposer(random_drafter, smol), DFlashProposer(random_drafter, smol)):
         states = []
@@ -237,4 +253,4 @@ def test_a_temperature_that_would_overflow_the_scores_samples_as_greedy_and_top_
     assert not SamplingParams(MIN_TEMPERATURE, seed=1).greedy
     SamplingParams(1.0, top_k=MAX_TOP_K, seed=1)
     with pytest.raises(BlockdraftError, match="top_k"):
-        SamplingParams(1.0, top_k=2 ** 64, seed=1)
+        SamplingParams(1.0, top_k=2**64, seed=1)

@@ -34,9 +34,24 @@ def draft_dir(tmp_path_factory, random_drafter):
 
 @pytest.fixture(scope="module")
 def server(draft_dir):
-    s = ServerProcess("--draft", str(draft_dir), "--api-key", KEY, "--max-tokens", str(MAX_TOKENS),
-                      "--max-batch", "8", "--max-queue", "64", "--max-model-len", "1024",
-                      "--served-model-name", "smol", "--block-size", "8")
+    s = ServerProcess(
+        "--draft",
+        str(draft_dir),
+        "--api-key",
+        KEY,
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--max-batch",
+        "8",
+        "--max-queue",
+        "64",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "smol",
+        "--block-size",
+        "8",
+    )
     yield s
     s.stop()
 
@@ -61,24 +76,27 @@ def post(server, path, body=None, content=None, headers=None, key=KEY):
     h = {"Authorization": f"Bearer {key}", **(headers or {})}
     if content is None:
         content = json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json", **h},
-                      timeout=300)
+    return httpx.post(
+        server.url + path, content=content, headers={"Content-Type": "application/json", **h}, timeout=300
+    )
 
 
 def test_openai_client_completions_chat_and_streaming(client, engine):
     assert [m.id for m in client.models.list().data] == ["smol"]
     prompt = "Give me three tips for sleeping better."
     ref = offline(engine, prompt)
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert chat.choices[0].message.content == ref.text
     assert chat.usage.completion_tokens == ref.num_output_tokens
     assert chat.usage.prompt_tokens == ref.num_prompt_tokens
     assert chat.choices[0].finish_reason == ref.finish_reason
 
     pieces, finish = [], None
-    for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=MAX_TOKENS, temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
@@ -89,14 +107,18 @@ def test_openai_client_completions_chat_and_streaming(client, engine):
     ref = offline(engine, raw, chat=False, n=20)
     out = client.completions.create(model="smol", prompt=raw, max_tokens=20, temperature=0)
     assert out.choices[0].text == ref.text and out.usage.completion_tokens == ref.num_output_tokens
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smol", prompt=raw, max_tokens=20, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="smol", prompt=raw, max_tokens=20, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == ref.text
     # stop strings and seeded sampling
     stopped = client.completions.create(model="smol", prompt=raw, max_tokens=20, temperature=0, stop=["\n"])
     assert stopped.choices[0].text == ref.text.split("\n")[0] and stopped.choices[0].finish_reason == "stop"
-    a, b = (client.completions.create(model="smol", prompt=raw, max_tokens=12, temperature=1.0, seed=7)
-            for _ in range(2))
+    a, b = (
+        client.completions.create(model="smol", prompt=raw, max_tokens=12, temperature=1.0, seed=7) for _ in range(2)
+    )
     assert a.choices[0].text == b.choices[0].text
     sampled = engine.generate(raw, method="dflash", max_new_tokens=12, temperature=1.0, seed=7, block_size=8)
     assert a.choices[0].text == sampled.text
@@ -110,15 +132,22 @@ def test_openai_client_usage_chunk_and_error_classes(client, server):
 
     messages = [{"role": "user", "content": "Name a fruit."}]
     whole = client.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smol",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
     assert chunks[-1].usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens > 0
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model="smol", messages=messages, max_tokens=8, logprobs=True,
-                                       top_logprobs=21)
+        client.chat.completions.create(model="smol", messages=messages, max_tokens=8, logprobs=True, top_logprobs=21)
     assert bad.value.status_code == 400 and bad.value.param == "top_logprobs"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -130,18 +159,25 @@ def test_openai_client_usage_chunk_and_error_classes(client, server):
 def test_logprobs_parameters_are_checked(server):
     """`logprobs` / `top_logprobs` outside OpenAI's ranges or types get a 400 naming the field."""
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-                         ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
-                         ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
-                         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as OpenAI
-                         ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-                         ({"logprobs": 3}, "logprobs"), ({"logprobs": "yes"}, "logprobs")]:
+    for extra, param in [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as OpenAI
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+    ]:
         r = post(server, "/v1/chat/completions", {**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
-    for extra, param in [({"logprobs": 6}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-                         ({"logprobs": 2.5}, "logprobs"), ({"logprobs": True}, "logprobs"),
-                         ({"logprobs": 2, "top_logprobs": 2}, "top_logprobs")]:
+    for extra, param in [
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 2.5}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 2, "top_logprobs": 2}, "top_logprobs"),
+    ]:
         r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     off = post(server, "/v1/chat/completions", {**chat, "logprobs": False}).json()
@@ -153,8 +189,18 @@ def test_logprobs_parameters_are_checked(server):
 def shipped_server():
     """The shipped DFlash drafter (it accepts several tokens per step), full blocks every step."""
     # fp32: its logprobs are compared with HF's fp32 log-softmax (auto is bf16 on some CPUs)
-    s = ServerProcess("--speculation", "fixed", "--max-tokens", "32", "--max-batch", "4",
-                      "--served-model-name", "smol", "--dtype", "float32")
+    s = ServerProcess(
+        "--speculation",
+        "fixed",
+        "--max-tokens",
+        "32",
+        "--max-batch",
+        "4",
+        "--served-model-name",
+        "smol",
+        "--dtype",
+        "float32",
+    )
     yield s
     s.stop()
 
@@ -165,7 +211,7 @@ def hf_log_softmax(hf_smol, prompt_ids, output_ids):
 
     with torch.no_grad():
         logits = hf_smol(torch.tensor([prompt_ids + output_ids])).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1: -1]
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
 
 
 def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server, hf_smol, tokenizer):
@@ -177,8 +223,9 @@ def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server,
     url = shipped_server.url
 
     def ask(path, body):
-        r = httpx.post(url + path, json={"temperature": 0, "max_tokens": 16, "return_token_ids": True, **body},
-                       timeout=300)
+        r = httpx.post(
+            url + path, json={"temperature": 0, "max_tokens": 16, "return_token_ids": True, **body}, timeout=300
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -188,8 +235,7 @@ def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server,
 
     messages = [{"role": "user", "content": "Count from one to ten in words."}]
     plain, out = {}, {}
-    beside = threading.Thread(target=lambda: plain.setdefault("r", ask("/v1/chat/completions",
-                                                                       {"messages": messages})))
+    beside = threading.Thread(target=lambda: plain.setdefault("r", ask("/v1/chat/completions", {"messages": messages})))
     beside.start()
     out["chat"] = ask("/v1/chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 3})
     beside.join()
@@ -221,7 +267,7 @@ def test_logprobs_equal_hf_log_softmax_through_speculative_steps(shipped_server,
         assert text_of(tok) is None or lp["tokens"][i] == text_of(tok)
         end = lp["text_offset"][i + 1] if i + 1 < len(ids) else len(text)
         if text_of(tok) is not None and tok not in tokenizer.all_special_ids:
-            assert text[lp["text_offset"][i]: end] == text_of(tok), i
+            assert text[lp["text_offset"][i] : end] == text_of(tok), i
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     metrics = httpx.get(url + "/metrics").text  # verify steps accepted two drafts and more
     accepted = re.search(r'blockdraft_spec_accepted_tokens_total\{position="2"\} ([0-9.e+]+)', metrics)
@@ -263,8 +309,14 @@ def test_streamed_logprobs_add_up_to_the_answers_logprobs(shipped_server):
     from openai import OpenAI
 
     client = OpenAI(base_url=shipped_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    kw = {"model": "smol", "messages": [{"role": "user", "content": "Describe rain in one sentence."}],
-          "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    kw = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Describe rain in one sentence."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     whole = client.chat.completions.create(**kw)
     streamed, text, carrying = [], "", 0
     for chunk in client.chat.completions.create(**kw, stream=True):
@@ -284,8 +336,7 @@ def test_streamed_logprobs_add_up_to_the_answers_logprobs(shipped_server):
     whole = httpx.post(shipped_server.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
     joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     text = ""
-    with httpx.stream("POST", shipped_server.url + "/v1/completions", json={**body, "stream": True},
-                      timeout=300) as r:
+    with httpx.stream("POST", shipped_server.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
@@ -300,8 +351,7 @@ def test_streamed_logprobs_add_up_to_the_answers_logprobs(shipped_server):
 
 
 def _stream_chat(server, prompt, max_tokens, out, i):
-    r = stream_chat(server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens, api_key=KEY,
-                    model="smol")
+    r = stream_chat(server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens, api_key=KEY, model="smol")
     assert r["status"] == 200, r
     out[i] = (r["text"], r["finish_reasons"], r["done"])
 
@@ -316,8 +366,9 @@ def start_streams(server, engine, n: int, max_tokens: int):
     prompts = [f"Write one sentence about the number {i}." for i in range(n)]
     refs = engine.generate(prompts, chat=True, method="dflash", max_new_tokens=max_tokens, block_size=8)
     out = {}
-    threads = [threading.Thread(target=_stream_chat, args=(server, p, max_tokens, out, i))
-               for i, p in enumerate(prompts)]
+    threads = [
+        threading.Thread(target=_stream_chat, args=(server, p, max_tokens, out, i)) for i, p in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     return threads, refs, out
@@ -336,13 +387,16 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
     prompt = "Explain what a hash table is to a ten-year-old."
     ref = offline(engine, prompt)
     out = {}
-    background = [threading.Thread(target=_stream_chat, args=(server, f"Count to {i + 5}.", MAX_TOKENS, out, i))
-                  for i in range(16)]
+    background = [
+        threading.Thread(target=_stream_chat, args=(server, f"Count to {i + 5}.", MAX_TOKENS, out, i))
+        for i in range(16)
+    ]
     for t in background:
         t.start()
     time.sleep(0.5)
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0
+    )
     for t in background:
         t.join()
     assert chat.choices[0].message.content == ref.text
@@ -353,10 +407,16 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
     assert 'blockdraft_spec_drafted_tokens_total{position="1"}' in metrics
     assert "blockdraft_time_to_first_token_seconds_count" in metrics
     assert "blockdraft_running_batch_size" in metrics and "blockdraft_queue_depth" in metrics
-    assert re.search(r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+",'
-                     r'step="[^"]+"\} 1', metrics)
-    served = [line for line in metrics.splitlines() if line.startswith('blockdraft_requests_total{endpoint="chat"'
-                                                                      ',status="200"}')]
+    assert re.search(
+        r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+",'
+        r'step="[^"]+"\} 1',
+        metrics,
+    )
+    served = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('blockdraft_requests_total{endpoint="chat",status="200"}')
+    ]
     assert served and float(served[0].split()[-1]) >= 17
 
 
@@ -369,7 +429,7 @@ BAD = [
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 12}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}).encode(), 400),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(), 400),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 400),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400),
@@ -388,7 +448,7 @@ def test_bad_input_gets_openai_errors(server):
         assert r.status_code == status, (body[:60], r.status_code, r.text)
         err = r.json()["error"]
         assert err["message"] and err["type"]
-    for body in ({"prompt": ""}, {"prompt": [10 ** 9]}, {"prompt": {"a": 1}}, {}):
+    for body in ({"prompt": ""}, {"prompt": [10**9]}, {"prompt": {"a": 1}}, {}):
         assert post(server, "/v1/completions", body).status_code == 400
     big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
     assert post(server, "/v1/completions", content=big).status_code == 413
@@ -405,12 +465,12 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
     streams = start_streams(server, engine, 15, 24)  # 15 streams and the poisons: 16 and more at once
     chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
     poisons = [
-        (json.dumps({**chat, "temperature": 1, "top_k": 2 ** 64}).encode(), "top_k"),
-        (json.dumps({**chat, "temperature": 1, "top_k": 2 ** 63}).encode(), "top_k"),
+        (json.dumps({**chat, "temperature": 1, "top_k": 2**64}).encode(), "top_k"),
+        (json.dumps({**chat, "temperature": 1, "top_k": 2**63}).encode(), "top_k"),
         (b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 8}', "messages"),
         (b'{"prompt": "a\\ud800b", "max_tokens": 8}', "prompt"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}", None),
-        (json.dumps({**chat, "temperature": 10 ** 400}).encode(), "temperature"),
+        (json.dumps({**chat, "temperature": 10**400}).encode(), "temperature"),
     ]
     for body, param in poisons:
         path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
@@ -427,8 +487,13 @@ def test_poisoned_requests_fail_alone_with_json_errors_while_streams_run(server,
     check_streams(*streams)
     # features the server does not implement are refused, never ignored, and so are malformed tools and
     # response formats (tests/test_structured_serve.py); the prompt's own field is named
-    for extra in ({"tools": [{"type": "function", "function": {}}]}, {"functions": [{"name": "f"}]},
-                  {"response_format": {"type": "xml"}}, {"best_of": 2}, {"logit_bias": {"5": 1}}):
+    for extra in (
+        {"tools": [{"type": "function", "function": {}}]},
+        {"functions": [{"name": "f"}]},
+        {"response_format": {"type": "xml"}},
+        {"best_of": 2},
+        {"logit_bias": {"5": 1}},
+    ):
         r = post(server, "/v1/chat/completions", {**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), extra
     for extra in ({"echo": True}, {"suffix": "x"}):
@@ -456,10 +521,14 @@ def counted(server, endpoint: str, status: int) -> float:
 def test_a_model_name_with_a_lone_surrogate_gets_a_json_404_counted_as_404(server):
     """`"model": "\\ud800"` once got a 500 (its 404 message could not be encoded) that /metrics
     counted as a 404: now a 404 whose message escapes the name, counted as the 404 it is."""
-    for path, endpoint, body in [("/v1/chat/completions", "chat", b'{"model": "\\ud800", "messages": '
-                                  b'[{"role": "user", "content": "hi"}], "max_tokens": 2}'),
-                                 ("/v1/completions", "completions", b'{"model": "a\\ud800", "prompt": "hi", '
-                                  b'"max_tokens": 2}')]:
+    for path, endpoint, body in [
+        (
+            "/v1/chat/completions",
+            "chat",
+            b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
+        ),
+        ("/v1/completions", "completions", b'{"model": "a\\ud800", "prompt": "hi", "max_tokens": 2}'),
+    ]:
         before = {s: counted(server, endpoint, s) for s in (404, 500)}
         r = post(server, path, content=body)
         assert r.status_code == 404, (path, r.status_code, r.text)
@@ -475,11 +544,13 @@ def test_unknown_fields_are_refused_and_unimplemented_ones_unless_neutral(server
     a 400 naming it, unless given at its neutral value."""
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     legacy = {"prompt": "Hi", "max_tokens": 2}
-    for path, body, name in [("/v1/chat/completions", {**chat, "temprature": 0}, "temprature"),
-                             ("/v1/completions", {**legacy, "foo": None}, "foo"),
-                             ("/v1/chat/completions", {**chat, "prompt": "Hi"}, "prompt"),  # the other endpoint's
-                             ("/v1/completions", {**legacy, "messages": chat["messages"]}, "messages"),
-                             ("/v1/chat/completions", {**chat, "echo": False}, "echo")]:
+    for path, body, name in [
+        ("/v1/chat/completions", {**chat, "temprature": 0}, "temprature"),
+        ("/v1/completions", {**legacy, "foo": None}, "foo"),
+        ("/v1/chat/completions", {**chat, "prompt": "Hi"}, "prompt"),  # the other endpoint's
+        ("/v1/completions", {**legacy, "messages": chat["messages"]}, "messages"),
+        ("/v1/chat/completions", {**chat, "echo": False}, "echo"),
+    ]:
         r = post(server, path, body)
         assert r.status_code == 400, (path, body, r.text)
         err = r.json()["error"]
@@ -488,8 +559,12 @@ def test_unknown_fields_are_refused_and_unimplemented_ones_unless_neutral(server
     r = post(server, "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2, "\\ud800": 1}')
     assert r.status_code == 400 and "\\ud800" in r.json()["error"]["message"], r.text
     for path, base in [("/v1/chat/completions", chat), ("/v1/completions", legacy)]:
-        for extra in ({"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"presence_penalty": "0"},
-                      {"logit_bias": {"5": 1}}):
+        for extra in (
+            {"presence_penalty": 0.5},
+            {"frequency_penalty": -1},
+            {"presence_penalty": "0"},
+            {"logit_bias": {"5": 1}},
+        ):
             r = post(server, path, {**base, **extra})
             name = next(iter(extra))
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, extra, r.text)
@@ -501,8 +576,10 @@ def test_unknown_fields_are_refused_and_unimplemented_ones_unless_neutral(server
 def test_stream_options_needs_stream_true(server):
     """As OpenAI: `stream_options` is refused unless `stream` is true (`null` is no options)."""
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for extra in ({"stream_options": {"include_usage": True}},
-                  {"stream": False, "stream_options": {"include_usage": False}}):
+    for extra in (
+        {"stream_options": {"include_usage": True}},
+        {"stream": False, "stream_options": {"include_usage": False}},
+    ):
         for path, base in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})]:
             r = post(server, path, {**base, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (path, extra, r.text)
@@ -515,13 +592,19 @@ def test_stream_options_include_usage_must_be_a_boolean(server):
     option) is a 400; `false` streams without a usage chunk."""
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
     for options in ({"include_usage": "no"}, {"include_usage": 1}, {"include_usge": True}):
-        for path, base in [("/v1/chat/completions", chat),
-                           ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})]:
+        for path, base in [
+            ("/v1/chat/completions", chat),
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True}),
+        ]:
             r = post(server, path, {**base, "stream_options": options})
             assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", (path, options, r.text)
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300,
-                      json={**chat, "stream_options": {"include_usage": False}},
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        timeout=300,
+        json={**chat, "stream_options": {"include_usage": False}},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: {")]
     assert r.status_code == 200 and lines and not any('"usage"' in line for line in lines)
 
@@ -531,34 +614,64 @@ def test_the_bearer_scheme_is_case_insensitive(server):
     for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
         r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
         assert r.status_code == 200, (scheme, r.text)
-    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2},
-                headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert (
+        post(
+            server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, headers={"Authorization": f"bearer {KEY}"}
+        ).status_code
+        == 200
+    )
 
 
 def test_a_401_carries_www_authenticate_bearer(server):
     """A refused key, a missing one or another scheme: 401 with `WWW-Authenticate: Bearer`."""
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
-                    {"Authorization": KEY}, {"Authorization": f"Bearer{KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": KEY},
+        {"Authorization": f"Bearer{KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+    ):
         r = httpx.get(server.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer", (headers, r.headers)
         assert r.json()["error"]["type"] == "authentication_error"
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, key="wrong")
     assert r.status_code == 401 and r.headers.get("www-authenticate") == "Bearer"
 
-JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=20),
-                       lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
-                                                                                 max_size=4), max_leaves=10)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n",
-          "max_completion_tokens", "top_k", "stream_options", "logprobs", "top_logprobs"]
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
-                                 "content": st.text(max_size=30) | JSONISH})
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=10,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "n",
+    "max_completion_tokens",
+    "top_k",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+]
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": st.text(max_size=30) | JSONISH}
+)
 BODY = st.dictionaries(st.sampled_from(FIELDS), JSONISH | st.lists(MESSAGE, max_size=3), max_size=6)
 
 
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(body=BODY, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       raw=st.none() | st.binary(max_size=64))
+@given(
+    body=BODY, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw=st.none() | st.binary(max_size=64)
+)
 def test_random_bodies_never_5xx(server, body, path, raw):
     if isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_tokens"), bool):
         body["max_tokens"] = min(body["max_tokens"], 4)  # keep accepted requests short
@@ -574,15 +687,17 @@ def test_random_bodies_never_5xx(server, body, path, raw):
 def test_server_still_correct_after_fuzzing(server, client, engine):
     """Runs after the property test (file order): the server answers correctly."""
     prompt = "List the planets of the solar system in order from the sun."
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert chat.choices[0].message.content == offline(engine, prompt).text
 
 
 def test_queue_bound_disconnect_and_graceful_shutdown():
     """Also: with no --draft, the server runs the shipped drafter of the default target."""
-    s = ServerProcess("--max-batch", "1", "--max-queue", "1", "--max-tokens", "1000", "--block-size", "4",
-                      "--shutdown-grace", "60")
+    s = ServerProcess(
+        "--max-batch", "1", "--max-queue", "1", "--max-tokens", "1000", "--block-size", "4", "--shutdown-grace", "60"
+    )
     try:
         long = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}
         # a client that disconnects after the first chunk frees its slot: the next request (one
@@ -590,8 +705,7 @@ def test_queue_bound_disconnect_and_graceful_shutdown():
         # needs for its 1,000 tokens at 4 a step (it was stopped, not run to its end)
         with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as r:
             next(r.iter_lines())
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
-                       timeout=300)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0}, timeout=300)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         metrics = httpx.get(s.url + "/metrics").text
         steps = float(re.search(r"^blockdraft_verify_steps_total ([0-9.e+]+)$", metrics, re.M).group(1))
@@ -601,8 +715,9 @@ def test_queue_bound_disconnect_and_graceful_shutdown():
         results = {}
 
         def send(i):
-            results[i] = httpx.post(s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 60},
-                                    timeout=300)
+            results[i] = httpx.post(
+                s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 60}, timeout=300
+            )
 
         workers = [threading.Thread(target=send, args=(i,)) for i in range(5)]
         for w in workers:
@@ -613,12 +728,17 @@ def test_queue_bound_disconnect_and_graceful_shutdown():
         codes = sorted(r.status_code for r in results.values())
         assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
         assert all(r.headers.get("retry-after") == "1" for r in results.values() if r.status_code == 429)
-        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in results.values()
-                   if r.status_code == 200)
+        assert all(
+            r.json()["choices"][0]["finish_reason"] == "length" for r in results.values() if r.status_code == 200
+        )
         # graceful shutdown: an in-flight request still completes
         holder = {}
-        w = threading.Thread(target=lambda: holder.setdefault("r", httpx.post(
-            s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 40}, timeout=300)))
+        w = threading.Thread(
+            target=lambda: holder.setdefault(
+                "r",
+                httpx.post(s.url + "/v1/completions", json={**long, "stream": False, "max_tokens": 40}, timeout=300),
+            )
+        )
         w.start()
         time.sleep(1.0)
         s.proc.send_signal(signal.SIGTERM)
@@ -643,14 +763,17 @@ def test_second_signal_and_taken_port():
 
     s = ServerProcess("--method", "ar", "--max-tokens", "1500", "--shutdown-grace", "120")
     try:
-        taken = subprocess.run([sys.executable, "-m", "blockdraft", "serve", "--method", "ar", "--port", str(s.port)],
-                               capture_output=True, timeout=300)
+        taken = subprocess.run(
+            [sys.executable, "-m", "blockdraft", "serve", "--method", "ar", "--port", str(s.port)],
+            capture_output=True,
+            timeout=300,
+        )
         assert taken.returncode == 1 and b"address already in use" in taken.stderr, taken.stderr[-500:]
         holder = {}
-        body = {"prompt": "Count from 1 to 1000, separated by commas: 1, 2, 3,", "max_tokens": 1500,
-                "temperature": 0}
-        w = threading.Thread(target=lambda: holder.setdefault("r", httpx.post(s.url + "/v1/completions", json=body,
-                                                                              timeout=300)))
+        body = {"prompt": "Count from 1 to 1000, separated by commas: 1, 2, 3,", "max_tokens": 1500, "temperature": 0}
+        w = threading.Thread(
+            target=lambda: holder.setdefault("r", httpx.post(s.url + "/v1/completions", json=body, timeout=300))
+        )
         w.start()
         time.sleep(2.0)
         t0 = time.time()
@@ -709,8 +832,9 @@ def test_scheduler_rigged_perfect_drafter_continuous_batching(smol, tokenizer, r
             self.prompt_lens = [len(prompts[i]) if i is not None else 0 for i in which]
             return super().propose(last_tokens, positions, n_, rows, probs)
 
-    methods.register(methods.Method("rigged", "a perfect drafter",
-                                    lambda e, spec: SlotRigged(random_drafter, smol, [], [])))
+    methods.register(
+        methods.Method("rigged", "a perfect drafter", lambda e, spec: SlotRigged(random_drafter, smol, [], []))
+    )
     try:
         sched = Scheduler(engine, method="rigged", max_batch=3, max_queue=10, max_model_len=1024, block_size=8)
     finally:
@@ -766,13 +890,16 @@ def test_client_disconnects_are_counted_as_499_and_the_server_goes_on(server, en
     before = count()
     url = urlparse(server.url)
     with socket.create_connection((url.hostname, url.port)) as s:  # half a body, then gone
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"prompt": '
+        )
         time.sleep(0.5)
     with pytest.raises(httpx.TimeoutException):  # gone while it runs
         post_body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0}
-        httpx.post(server.url + "/v1/completions", json=post_body, timeout=0.3,
-                   headers={"Authorization": f"Bearer {KEY}"})
+        httpx.post(
+            server.url + "/v1/completions", json=post_body, timeout=0.3, headers={"Authorization": f"Bearer {KEY}"}
+        )
     deadline = time.time() + 30
     while count() < before + 2 and time.time() < deadline:
         time.sleep(0.5)
@@ -790,8 +917,12 @@ def test_streams_longer_than_the_shutdown_grace_still_end_with_a_finish_reason_a
 
         def stream(i):
             lines = []
-            body = {"prompt": f"Count from {i} to 1000, separated by commas:", "max_tokens": 1000,
-                    "temperature": 0, "stream": True}
+            body = {
+                "prompt": f"Count from {i} to 1000, separated by commas:",
+                "max_tokens": 1000,
+                "temperature": 0,
+                "stream": True,
+            }
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
@@ -826,8 +957,10 @@ def test_a_slow_body_times_out_with_a_json_408():
     with ServerProcess("--method", "ar", "--max-tokens", "8", "--body-timeout", "1") as s:
         url = urlparse(s.url)
         with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": '
+            )
             reply = b""
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
                 piece = sock.recv(4096)
@@ -858,7 +991,7 @@ def test_a_row_whose_sampling_fails_is_stopped_alone_and_the_batch_goes_on(smol,
     sched.start()
     good = [sched.submit(engine.make_row(ids, n), lambda h: None) for ids in chat_ids[:2]]
     bad_row = engine.make_row(chat_ids[2], n, temperature=1.0, seed=1)
-    bad_row.request.sampling.top_k = 2 ** 64  # past every check: its sampling raises in the batch
+    bad_row.request.sampling.top_k = 2**64  # past every check: its sampling raises in the batch
     bad = sched.submit(bad_row, lambda h: None)
     deadline = time.time() + 600
     while not (all(h.done for h in good) and bad.done) and time.time() < deadline:
@@ -881,8 +1014,10 @@ def test_requests_past_the_connection_cap_get_a_json_503_and_the_server_goes_on(
         held = []
         for _ in range(2):
             sock = socket.create_connection((url.hostname, url.port), timeout=30)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt": '
+            )
             held.append(sock)
         time.sleep(0.5)
         body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -906,8 +1041,9 @@ def test_the_metrics_position_rate_is_the_benchmarks_conditional_one():
     metrics.observe_step(2, 4, [(0, 3), (3, 3)])  # one row rejects the first draft, one accepts all three
     metrics.observe_step(1, 4, [(1, 3)])
     text = metrics.render().decode()
-    rates = {int(k): float(v)
-             for k, v in re.findall(r'spec_position_acceptance_rate\{position="(\d)"\} ([0-9.]+)', text)}
+    rates = {
+        int(k): float(v) for k, v in re.findall(r'spec_position_acceptance_rate\{position="(\d)"\} ([0-9.]+)', text)
+    }
     assert rates == {1: 2 / 3, 2: 1 / 2, 3: 1.0}  # position 2 reached twice (accepted once), 3 once
     drafted = re.findall(r'spec_drafted_tokens_total\{position="(\d)"\} ([0-9.]+)', text)
     assert {int(k): float(v) for k, v in drafted} == {1: 3.0, 2: 3.0, 3: 3.0}  # the raw counters stay counts

@@ -16,9 +16,11 @@ class CountingTokenizer:
         return self.tokenizer.decode(ids, **kw)
 
 
-TEXTS = ["Héllo wörld! 😀 日本語のテキスト, ümlauts and emoji 🎉🎉 in one line.\nNext line: café.",
-         "def f(x):\n    return x ** 2  # squares\n\nprint(f(3))",
-         "Plain ASCII text with several words, punctuation; and numbers 12345 and 3.14159."]
+TEXTS = [
+    "Héllo wörld! 😀 日本語のテキスト, ümlauts and emoji 🎉🎉 in one line.\nNext line: café.",
+    "def f(x):\n    return x ** 2  # squares\n\nprint(f(3))",
+    "Plain ASCII text with several words, punctuation; and numbers 12345 and 3.14159.",
+]
 
 
 def decode(tok, ids):

@@ -38,32 +38,66 @@ def tiny_corpus(tmp_path_factory):
     hf.save_pretrained(str(root / "target"))
     target = load_target(root / "target")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, MASK, (int(torch.randint(5, 10, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(16)]
+    prompts = [
+        torch.randint(0, MASK, (int(torch.randint(5, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(16)
+    ]
     states = []
     list(generate_steps(target, Proposer(), [Request(p, 40) for p in prompts], 1, states))
     (root / "data").mkdir()
     with open(root / "data" / "shard-00000.jsonl", "w") as f:
         for i, (p, s) in enumerate(zip(prompts, states, strict=False)):
-            f.write(json.dumps({"id": f"t/{i}", "split": "train", "prompt": "", "prompt_ids": p,
-                                "answer_ids": s.output_ids, "finish_reason": s.finish_reason}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"t/{i}",
+                        "split": "train",
+                        "prompt": "",
+                        "prompt_ids": p,
+                        "answer_ids": s.output_ids,
+                        "finish_reason": s.finish_reason,
+                    }
+                )
+                + "\n"
+            )
     return root, target, prompts, [s.output_ids for s in states]
 
 
 def tiny_config(root, out, **kw):
-    base = dict(data=str(root / "data"), out=str(out), target=str(root / "target"), block_size=4, num_layers=2,
-                mask_token_id=MASK, num_anchors=12, target_layer_ids=[3], batch_size=4,
-                max_seq_len=64, max_steps=20, lr=3e-3,
-                warmup_frac=0.05, eval_every=10_000, eval_prompts=4, eval_max_new_tokens=24, save_every=5,
-                log_every=1)
+    base = dict(
+        data=str(root / "data"),
+        out=str(out),
+        target=str(root / "target"),
+        block_size=4,
+        num_layers=2,
+        mask_token_id=MASK,
+        num_anchors=12,
+        target_layer_ids=[3],
+        batch_size=4,
+        max_seq_len=64,
+        max_steps=20,
+        lr=3e-3,
+        warmup_frac=0.05,
+        eval_every=10_000,
+        eval_prompts=4,
+        eval_max_new_tokens=24,
+        save_every=5,
+        log_every=1,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def test_blocks_follow_the_recipe():
     seq = list(range(10, 30))  # prompt 10..14, answer from position 5
-    b = build_blocks([seq], [5], block_size=4, num_anchors=3, mask_token_id=MASK, gamma=4.0,
-                     generator=torch.Generator().manual_seed(0))
+    b = build_blocks(
+        [seq],
+        [5],
+        block_size=4,
+        num_anchors=3,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     width = len(seq)
     for j in range(3):
         rows = slice(4 * j, 4 * j + 4)
@@ -74,7 +108,7 @@ def test_blocks_follow_the_recipe():
         assert b.labels[0, 4 * j] == IGNORE
         for k in range(1, 4):  # same-position labels, no shift
             assert b.labels[0, 4 * j + k] in (seq[a + k] if a + k < len(seq) else IGNORE,)
-        assert b.weights[0, 4 * j + 1: 4 * j + 4].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
+        assert b.weights[0, 4 * j + 1 : 4 * j + 4].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
         m = b.mask[0, 0, 4 * j]
         assert m[:width].tolist() == [p < a for p in range(width)]  # context strictly before the anchor
         own = m[width:].view(3, 4)
@@ -100,8 +134,9 @@ def check_forward_consistency(trainer):
             proposer.reset(1, a + bs)
             with torch.no_grad():
                 pos = torch.arange(a)[None]
-                _, feats = target(torch.tensor([seq[:a]]), pos, target.new_cache(1, a + bs),
-                                  capture=proposer.capture_layers)
+                _, feats = target(
+                    torch.tensor([seq[:a]]), pos, target.new_cache(1, a + bs), capture=proposer.capture_layers
+                )
                 proposer.observe(None, feats, pos)
                 proposer.propose(torch.tensor([seq[a]]), torch.tensor([a]), proposer.max_block_size - 1)  # the context
                 block = torch.tensor([[seq[a]] + [MASK] * (bs - 1)])
@@ -129,11 +164,20 @@ def check_label_consistency(trainer, corpus_prompts, corpus_answers):
     first = 1 - trainer.shift  # the first block slot with a label
     for p, ans in list(zip(corpus_prompts, corpus_answers, strict=False))[:4]:
         seq = p + ans
-        batch = build_blocks([seq], [len(p)], block_size=cfg.block_size, num_anchors=len(seq),
-                             mask_token_id=MASK, gamma=None, generator=torch.Generator().manual_seed(0),
-                             shift=trainer.shift)
-        labels = {int(batch.block_positions[0, j]): batch.labels[0, j + first: j + cfg.block_size].tolist()
-                  for j in range(0, batch.block_tokens.shape[1], cfg.block_size)}
+        batch = build_blocks(
+            [seq],
+            [len(p)],
+            block_size=cfg.block_size,
+            num_anchors=len(seq),
+            mask_token_id=MASK,
+            gamma=None,
+            generator=torch.Generator().manual_seed(0),
+            shift=trainer.shift,
+        )
+        labels = {
+            int(batch.block_positions[0, j]): batch.labels[0, j + first : j + cfg.block_size].tolist()
+            for j in range(0, batch.block_tokens.shape[1], cfg.block_size)
+        }
 
         def label_of(a, n):
             got = labels.get(a, [IGNORE] * n)  # noqa: B023 (called within this iteration, by generate_steps below)
@@ -164,18 +208,26 @@ def test_anchor_layout_blocks_label_the_token_after_each_slot():
     from blockdraft.train.loss import previous_tokens
 
     seq = list(range(10, 30))
-    b = build_blocks([seq], [5], block_size=4, num_anchors=3, mask_token_id=MASK, gamma=4.0,
-                     generator=torch.Generator().manual_seed(0), shift=1)
+    b = build_blocks(
+        [seq],
+        [5],
+        block_size=4,
+        num_anchors=3,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(0),
+        shift=1,
+    )
     prev = previous_tokens(b)
     for j in range(3):
         a = int(b.block_positions[0, 4 * j])
-        assert b.block_tokens[0, 4 * j: 4 * j + 4].tolist() == [seq[a], MASK, MASK, MASK]
+        assert b.block_tokens[0, 4 * j : 4 * j + 4].tolist() == [seq[a], MASK, MASK, MASK]
         for k in range(4):
             want = seq[a + k + 1] if a + k + 1 < len(seq) else IGNORE
             assert int(b.labels[0, 4 * j + k]) == want
             if want != IGNORE:
                 assert int(prev[0, 4 * j + k]) == seq[a + k]
-        assert b.weights[0, 4 * j: 4 * j + 3].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
+        assert b.weights[0, 4 * j : 4 * j + 3].tolist() == pytest.approx([1.0, 0.7788, 0.6065], abs=1e-4)
 
 
 class SlotOneProposer(DFlashProposer):
@@ -227,6 +279,7 @@ def buggy_blocks(bug):
                     if (b.labels[i, rows] != IGNORE).any():
                         b.mask[i, 0, rows, int(b.block_positions[i, j * block])] = True
         return b
+
     return build
 
 
@@ -262,17 +315,55 @@ def test_overfit_drafter_accepts_nearly_whole_blocks_in_the_real_decode_loop(tin
 
 
 def train_cli(root, out, *extra, nproc=1):
-    args = ["--data", str(root / "data"), "--out", str(out), "--target", str(root / "target"), "--block-size", "4",
-            "--num-layers", "1", "--mask-token-id", str(MASK), "--num-anchors", "6", "--batch-size", "2",
-            "--max-steps", "12", "--save-every", "3", "--log-every", "1", "--eval-every", "1000",
-            "--eval-prompts", "2", "--eval-max-new-tokens", "8", *extra]
-    runner = [sys.executable, "-m", "blockdraft"] if nproc == 1 else [
-        # --standalone: a free port: two suites may run at once
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-        "-m", "blockdraft"]
+    args = [
+        "--data",
+        str(root / "data"),
+        "--out",
+        str(out),
+        "--target",
+        str(root / "target"),
+        "--block-size",
+        "4",
+        "--num-layers",
+        "1",
+        "--mask-token-id",
+        str(MASK),
+        "--num-anchors",
+        "6",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "12",
+        "--save-every",
+        "3",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "8",
+        *extra,
+    ]
+    runner = (
+        [sys.executable, "-m", "blockdraft"]
+        if nproc == 1
+        else [
+            # --standalone: a free port: two suites may run at once
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--standalone",
+            "-m",
+            "blockdraft",
+        ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*runner, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        [*runner, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def drafter_weights(folder):
@@ -296,8 +387,9 @@ def test_a_killed_or_stopped_run_resumes_to_the_same_weights_as_an_uninterrupted
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline:  # let it pass a checkpoint or two, then stop it mid-run
-        if metrics.is_file() and any(json.loads(line)["step"] >= 7
-                                     for line in metrics.read_text().splitlines() if line):
+        if metrics.is_file() and any(
+            json.loads(line)["step"] >= 7 for line in metrics.read_text().splitlines() if line
+        ):
             break
         time.sleep(0.05)
     killed.send_signal(sig)
@@ -334,6 +426,7 @@ def test_two_process_ddp_training_on_cpu(tiny_corpus, tmp_path):
 def worker_pid(launcher_pid: int, rank: int) -> int | None:
     """The pid of torchrun's worker of `rank`: a descendant of the launcher with RANK=rank in its
     environment (Linux's /proc)."""
+
     def parent(pid: int) -> int:
         return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -363,8 +456,9 @@ def test_a_stop_signal_to_one_ddp_process_stops_both_at_the_next_checkpoint(tiny
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline:
-        if metrics.is_file() and any(json.loads(line)["step"] >= 7
-                                     for line in metrics.read_text().splitlines() if line):
+        if metrics.is_file() and any(
+            json.loads(line)["step"] >= 7 for line in metrics.read_text().splitlines() if line
+        ):
             break
         time.sleep(0.05)
     pid = worker_pid(stopped.pid, 1)
@@ -437,13 +531,17 @@ def test_overfit_eagle_drafter_accepts_long_chains(tiny_corpus, tmp_path):
     from blockdraft.proposers import EagleProposer
 
     root, _, prompts, _ = tiny_corpus
-    trainer = Trainer(tiny_config(root, tmp_path / "run", arch="eagle3", max_steps=200, save_every=10_000,
-                                  log_every=50))
+    trainer = Trainer(
+        tiny_config(root, tmp_path / "run", arch="eagle3", max_steps=200, save_every=10_000, log_every=50)
+    )
     trainer.run()
     drafter = EagleDrafter.load(tmp_path / "run" / "drafter")
     states = []
-    list(generate_steps(trainer.target, EagleProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]],
-                        4, states))
+    list(
+        generate_steps(
+            trainer.target, EagleProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]], 4, states
+        )
+    )
     lengths = [a for s in states for a in s.acceptance_lengths]
     assert sum(lengths) / len(lengths) >= 3.0
 
@@ -470,8 +568,7 @@ def test_learning_rate_schedules():
 
 
 @pytest.mark.parametrize("topk", [8, 97])
-def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(tiny_corpus, tmp_path, monkeypatch,
-                                                                             topk):
+def test_soft_label_loss_is_the_cross_entropy_against_the_target_distribution(tiny_corpus, tmp_path, monkeypatch, topk):
     """distill=1: the loss equals sum_k w_k * CE(q, drafter logits) / sum_k w_k, where q is the target's
     distribution predicting x_{a+k} cut to its `topk` likeliest tokens and renormalized (log-probabilities
     rounded to float16, as the feature cache keeps them), computed here from the full target forward
@@ -542,15 +639,14 @@ def test_regeneration_with_a_bf16_target_records_it(tiny_corpus, tokenizer):
     """`data regenerate --dtype bfloat16`: the batched loop's answers are the bf16 target's own
     one-by-one greedy answers, and each sample says which precision answered (fp32 ones do not)."""
     from blockdraft import Engine
-    from blockdraft.train.data import answer_prompts
+    from blockdraft.train.regen import answer_prompts
 
     root, _, prompts, _ = tiny_corpus
     items = [{"id": f"t/{i}", "split": "train", "prompt_ids": p} for i, p in enumerate(prompts[:5])]
     for dtype in (torch.bfloat16, torch.float32):
         engine = Engine(load_target(root / "target", dtype=dtype), tokenizer)
         got = []
-        answer_prompts(engine, iter(items), max_new_tokens=16, batch_size=2, on_sample=got.append,
-                       share_prefix=False)
+        answer_prompts(engine, iter(items), max_new_tokens=16, batch_size=2, on_sample=got.append, share_prefix=False)
         assert len(got) == 5
         for s in got:
             assert s["answer_ids"] == engine.generate(s["prompt_ids"], method="ar", max_new_tokens=16).token_ids
@@ -584,8 +680,9 @@ def test_warm_start_keeps_the_saved_draft_vocabulary_on_other_data(tiny_corpus, 
     saved = DFlashDrafter.load(tmp_path / "a" / "drafter").draft_vocab
     recount = Trainer(tiny_config(root, tmp_path / "r", draft_vocab=48, limit_samples=2)).drafter.draft_vocab
     assert not torch.equal(recount, saved)  # the small data's own count would give another vocabulary
-    warm = Trainer(tiny_config(root, tmp_path / "b", draft_vocab=48, limit_samples=2,
-                               init_from=str(tmp_path / "a" / "drafter")))
+    warm = Trainer(
+        tiny_config(root, tmp_path / "b", draft_vocab=48, limit_samples=2, init_from=str(tmp_path / "a" / "drafter"))
+    )
     assert torch.equal(warm.drafter.draft_vocab, saved)
     assert torch.equal(warm.to_draft[saved], torch.arange(48))
 
@@ -597,8 +694,7 @@ def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp
     the reference's `layer_types` / `sliding_window` fields."""
     root = tiny_corpus[0]
     out = tmp_path / "run"
-    proc = train_cli(root, out, "--num-layers", "2", "--sliding-window", "6", "--full-layers", "1",
-                     "--max-steps", "3")
+    proc = train_cli(root, out, "--num-layers", "2", "--sliding-window", "6", "--full-layers", "1", "--max-steps", "3")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     saved = json.loads((out / "drafter" / "config.json").read_text())
@@ -747,9 +843,11 @@ def test_skip_trained_by_leaves_out_exactly_what_an_earlier_run_trained_on(tiny_
             f.write(json.dumps({**s, "id": s["id"] + "~a1", "answer_ids": s["answer_ids"][::-1]}) + "\n")
     done = tmp_path / "first" / "checkpoint"
     rest = Trainer(tiny_config(root, tmp_path / "rest", data=f"{b},{a}", skip_trained_by=str(done)))
-    expect = ([s["prompt_ids"] + s["answer_ids"] for s in old]  # B: none of them trained
-              + [s["prompt_ids"] + s["answer_ids"] for s in old[10:]]
-              + [s["prompt_ids"] + s["answer_ids"][::-1] for s in old[:8]])
+    expect = (
+        [s["prompt_ids"] + s["answer_ids"] for s in old]  # B: none of them trained
+        + [s["prompt_ids"] + s["answer_ids"] for s in old[10:]]
+        + [s["prompt_ids"] + s["answer_ids"][::-1] for s in old[:8]]
+    )
     assert [s[0] for s in rest.samples] == [e[:64] for e in expect]
     rest.run(until=1)
     saved = json.loads((tmp_path / "rest" / "checkpoint" / "state.json").read_text())["config"]
@@ -801,8 +899,12 @@ def test_feature_cache_skips_the_target_after_the_first_epoch_and_trains_the_sam
 
     seq = prompts[0] + answers[0]
     with torch.no_grad():
-        _, fresh = target(torch.tensor([seq]), torch.arange(len(seq))[None],
-                          capture=tuple(first.drafter.config.target_layer_ids), features_only=True)
+        _, fresh = target(
+            torch.tensor([seq]),
+            torch.arange(len(seq))[None],
+            capture=tuple(first.drafter.config.target_layer_ids),
+            features_only=True,
+        )
     stored, missing = first.features.get([sequence_key(seq)], len(seq), "cpu")
     assert missing == [] and not torch.equal(stored, fresh)  # rounded, ...
     torch.testing.assert_close(stored, fresh, rtol=1e-3, atol=1e-3)  # ... to float16
@@ -832,7 +934,7 @@ def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpu
         rows, (ids, logp) = recorder.pop(i, len(seq) - 1, start=len(p) - 1)
         with torch.no_grad():
             final, whole = target(torch.tensor([seq]), torch.arange(len(seq))[None], capture=tuple(layers))
-            full = torch.log_softmax(target.logits(final[0, len(p) - 1: -1]).float(), -1)
+            full = torch.log_softmax(target.logits(final[0, len(p) - 1 : -1]).float(), -1)
         torch.testing.assert_close(rows.float(), whole[0, :-1], rtol=2e-3, atol=2e-3)  # float16, decode order
         assert ids.shape == logp.shape == (len(a), TEACHER_TOPK)
         kth = full.topk(TEACHER_TOPK).values[:, -1:]
@@ -843,9 +945,9 @@ def test_features_recorded_while_decoding_serve_training_like_its_own(tiny_corpu
         cache.put_teacher(key, ids, logp, start=len(p) - 1)
         got_ids, got_logp, missing = cache.get_teacher([key, "none"], len(seq) + 2, "cpu")
         assert missing == [1] and (got_ids[1] == -1).all()
-        assert (got_ids[0, :len(p) - 1] == -1).all() and (got_ids[0, len(seq) - 1:] == -1).all()
-        assert torch.equal(got_ids[0, len(p) - 1: len(seq) - 1], ids.long())
-        assert torch.equal(got_logp[0, len(p) - 1: len(seq) - 1], logp.float())
+        assert (got_ids[0, : len(p) - 1] == -1).all() and (got_ids[0, len(seq) - 1 :] == -1).all()
+        assert torch.equal(got_ids[0, len(p) - 1 : len(seq) - 1], ids.long())
+        assert torch.equal(got_logp[0, len(p) - 1 : len(seq) - 1], logp.float())
     assert not recorder.ended
     cache.close()
 
@@ -901,8 +1003,7 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
         FeatureCache(cache, target, [1, 3])
 
 
-def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_corpus, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_corpus, tmp_path, monkeypatch, capsys):
     """The bytes a run's features add are known before it starts (what it then stores, exactly);
     when the cache's disk cannot hold them the run says so at once, stores what fits (keeping
     1 GiB free), runs the target for the rest, and trains as it would have."""
@@ -923,15 +1024,18 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
     assert (cache / "features-rank0.bin").stat().st_size == need_run
     assert FeatureCache(cache, target, [3]).bytes_needed(everything) == need_all - need_run
     # with soft labels the answers' top tokens are counted and stored too
-    soft = Trainer(tiny_config(root, tmp_path / "soft", max_steps=2, feature_cache=str(tmp_path / "soft-cache"),
-                               distill=0.5))
+    soft = Trainer(
+        tiny_config(root, tmp_path / "soft", max_steps=2, feature_cache=str(tmp_path / "soft-cache"), distill=0.5)
+    )
     order = soft.epoch_order(0)[:8]
     need_soft = soft.features.bytes_needed([soft.samples[i][0] for i in order], [soft.samples[i][1] for i in order])
     assert need_soft > need_run
     soft.run()
     soft.features.close()
-    assert sum((tmp_path / "soft-cache" / f).stat().st_size for f in ("features-rank0.bin", "teacher-rank0.bin")) \
+    assert (
+        sum((tmp_path / "soft-cache" / f).stat().st_size for f in ("features-rank0.bin", "teacher-rank0.bin"))
         == need_soft
+    )
     # a disk with room for about half of a 2-step run's features beyond the 1 GiB kept free
     small = tmp_path / "small"
     usage = shutil.disk_usage(tmp_path)
@@ -969,6 +1073,7 @@ def test_a_card_reads_the_committed_metrics_of_a_run_resumed_on_a_new_machine(tm
     monkeypatch.setattr(ship_drafter, "TRAIN_LOGS", logs)
     with pytest.raises(SystemExit, match="no metrics for"):
         ship_drafter.run_metrics(run)
+
     def rec(step, tau=None):
         return json.dumps({"step": step, "elapsed": step, **({"tau": tau} if tau else {})})
 
@@ -999,9 +1104,15 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
     method = "dflash" if arch == "dflash" else "eagle3"
     for dataset, tau in (("humaneval", 1.234), ("gsm8k", 2.5)):
         (bench / dataset).mkdir(parents=True)
-        (bench / dataset / "results.json").write_text(json.dumps({
-            "num_prompts": 3, "max_new_tokens": 32,
-            "methods": {"ar": {"tau": 1.0}, f"{method}@3": {"tau": tau}, "lookup": {"tau": 9.0}}}))
+        (bench / dataset / "results.json").write_text(
+            json.dumps(
+                {
+                    "num_prompts": 3,
+                    "max_new_tokens": 32,
+                    "methods": {"ar": {"tau": 1.0}, f"{method}@3": {"tau": tau}, "lookup": {"tau": 9.0}},
+                }
+            )
+        )
     dest = tmp_path / "shipped"
     monkeypatch.setitem(ship_drafter.KINDS, arch, {**ship_drafter.KINDS[arch], "dest": dest})
     args = argparse.Namespace(bench=str(bench), scaling=str(tmp_path / "none.jsonl"), samples=3, max_new_tokens=32)
@@ -1019,8 +1130,11 @@ def test_shipping_a_run_writes_its_fp16_weights_and_a_card_from_its_records(tiny
         ship_drafter.ship(args, tmp_path / "run", "eagle3" if arch == "dflash" else "dflash")
     assert "| warm start |" not in card and "fp32, torch" in card
     # A warm start from the shipped folder ships over it; its card keeps the first run's rows.
-    Trainer(tiny_config(root, tmp_path / "warm", arch=arch, max_steps=4, save_every=4, dtype="bfloat16",
-                        init_from=str(dest))).run()
+    Trainer(
+        tiny_config(
+            root, tmp_path / "warm", arch=arch, max_steps=4, save_every=4, dtype="bfloat16", init_from=str(dest)
+        )
+    ).run()
     ship_drafter.ship(args, tmp_path / "warm", arch)
     warm = (dest / "README.md").read_text()
     assert "4 steps x 4 sequences" in warm and "bfloat16 target, fp32 drafter under autocast" in warm
@@ -1075,8 +1189,15 @@ def test_a_markov_head_trains_warm_starts_from_a_plain_drafter_and_saves_round_t
     root, _, prompts, _ = tiny_corpus
     plain = Trainer(tiny_config(root, tmp_path / "plain", max_steps=2))
     plain.run()
-    cfg = tiny_config(root, tmp_path / "markov", max_steps=200, save_every=10_000, log_every=50, markov_rank=8,
-                      init_from=str(tmp_path / "plain" / "drafter"))
+    cfg = tiny_config(
+        root,
+        tmp_path / "markov",
+        max_steps=200,
+        save_every=10_000,
+        log_every=50,
+        markov_rank=8,
+        init_from=str(tmp_path / "plain" / "drafter"),
+    )
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
     saved = drafter_weights(tmp_path / "plain" / "drafter")
@@ -1089,8 +1210,11 @@ def test_a_markov_head_trains_warm_starts_from_a_plain_drafter_and_saves_round_t
     assert all(torch.equal(mine[k], v) for k, v in drafter.state_dict().items())
     assert not torch.equal(mine["markov_head.markov_w2.weight"], before["markov_head.markov_w2.weight"])
     states = []
-    list(generate_steps(trainer.target, DFlashProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]],
-                        4, states))
+    list(
+        generate_steps(
+            trainer.target, DFlashProposer(drafter, trainer.target), [Request(p, 32) for p in prompts[:8]], 4, states
+        )
+    )
     lengths = [a for s in states for a in s.acceptance_lengths]
     tau = sum(lengths) / len(lengths)
     assert tau >= 3.3, f"tau {tau:.2f} of 4 after overfitting: train and decode disagree"
@@ -1113,12 +1237,14 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
     back = dequantize(q, scales)
     assert q.dtype == torch.int8 and q.shape == x.shape and scales.shape == (5, 3)
     assert bool(((back - x).abs() <= scales.repeat_interleave(64, -1) / 2 * (1 + 1e-6)).all())
-    assert (float((back[2, :64] - x[2, :64]).abs().max()) < 0.02
-            and float((back[2, 64:128] - x[2, 64:128]).abs().max()) > 1)
+    assert (
+        float((back[2, :64] - x[2, :64]).abs().max()) < 0.02 and float((back[2, 64:128] - x[2, 64:128]).abs().max()) > 1
+    )
     runs = []
     for name in ("fill", "read"):
-        trainer = Trainer(tiny_config(root, tmp_path / name, max_steps=4, feature_cache=str(tmp_path / "cache"),
-                                      feature_dtype="int8"))
+        trainer = Trainer(
+            tiny_config(root, tmp_path / name, max_steps=4, feature_cache=str(tmp_path / "cache"), feature_dtype="int8")
+        )
         trainer.run()
         trainer.features.close()
         runs.append(trainer)
@@ -1137,8 +1263,9 @@ def test_int8_feature_cache_halves_the_disk_and_trains_as_it_reads(tiny_corpus, 
     mixed.put([sequence_key([7, 8, 9])], torch.randn(1, 3, 64), [3])
     new, missing = mixed.get([sequence_key([7, 8, 9]), sequence_key(seq)], len(seq), "cpu")
     assert missing == [] and torch.equal(new[1], old[0])  # the float16 record, read as before
-    assert (mixed.dtype == "int8"
-            and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16")
+    assert (
+        mixed.dtype == "int8" and json.loads((tmp_path / "fp16-cache" / "meta.json").read_text())["dtype"] == "float16"
+    )
     mixed.close()
 
 
@@ -1151,12 +1278,14 @@ def test_convert_feature_cache_copies_every_record_as_int8(tiny_corpus, tmp_path
     from blockdraft.train.features import FeatureCache
 
     spec = importlib.util.spec_from_file_location(
-        "convert_feature_cache", Path(__file__).resolve().parent.parent / "tools" / "convert_feature_cache.py")
+        "convert_feature_cache", Path(__file__).resolve().parent.parent / "tools" / "convert_feature_cache.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     root, target, prompts, answers = tiny_corpus
-    trainer = Trainer(tiny_config(root, tmp_path / "run", max_steps=2, feature_cache=str(tmp_path / "src"),
-                                  distill=0.5))
+    trainer = Trainer(
+        tiny_config(root, tmp_path / "run", max_steps=2, feature_cache=str(tmp_path / "src"), distill=0.5)
+    )
     trainer.run()
     trainer.features.close()
     before = sorted(p.name for p in (tmp_path / "src").iterdir())

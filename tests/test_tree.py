@@ -50,7 +50,7 @@ def test_trees_grow_best_first_and_accept_what_a_walk_accepts():
             probs[:] = 0.25  # ties everywhere
         tokens = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(b * n)]).view(b, n, k)
         tree = build_tree(torch.arange(b) + 100, tokens, probs, nodes)
-        possible = n if k == 1 else sum(k ** d for d in range(1, n + 1))
+        possible = n if k == 1 else sum(k**d for d in range(1, n + 1))
         assert tree.size == 1 + min(nodes, possible)
         for row in range(b):
             par, dep, tok, score = (x[row].tolist() for x in (tree.parents, tree.depths, tree.tokens, tree.scores))
@@ -74,9 +74,11 @@ def test_trees_grow_best_first_and_accept_what_a_walk_accepts():
                     anc.add(j)
                 assert {j for j in range(tree.size) if vis[row, i, j]} == anc
         for _ in range(5):  # target tokens that often follow some branch
-            target = torch.where(torch.rand(b, tree.size, generator=gen) < 0.7,
-                                 tokens[:, :, 0].repeat(1, tree.size)[:, : tree.size].clone(),
-                                 torch.randint(0, 8, (b, tree.size), generator=gen))
+            target = torch.where(
+                torch.rand(b, tree.size, generator=gen) < 0.7,
+                tokens[:, :, 0].repeat(1, tree.size)[:, : tree.size].clone(),
+                torch.randint(0, 8, (b, tree.size), generator=gen),
+            )
             target = target.scatter(1, torch.zeros(b, 1, dtype=torch.long), tokens[:, 0, rng.randrange(k), None])
             path, accepted, on_path = tree.accept(target)
             for row in range(b):
@@ -87,15 +89,17 @@ def test_trees_grow_best_first_and_accept_what_a_walk_accepts():
 
 
 def test_a_chain_is_a_tree_and_calibration_counts_acceptance():
-    chain = DraftTree.chain(torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                            torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
+    chain = DraftTree.chain(
+        torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]])
+    )
     path, accepted, on_path = chain.accept(torch.tensor([[1, 2, 0, 0], [0, 0, 0, 0]]))
     assert accepted.tolist() == [2, 0] and path[0].tolist() == [0, 1, 2]
     cal = tree_mod.Calibration(3)
     cal.update(chain, on_path, torch.tensor([True, True]))
     # position 1: both rows reached it (0.5 + 0.9 predicted, 1 accepted); 2: row 0 only; 3: row 0
-    assert cal.accepted.tolist() == [1, 1, 0] and torch.allclose(cal.predicted, torch.tensor([1.4, 0.5, 0.5],
-                                                                                          dtype=torch.float64))
+    assert cal.accepted.tolist() == [1, 1, 0] and torch.allclose(
+        cal.predicted, torch.tensor([1.4, 0.5, 0.5], dtype=torch.float64)
+    )
 
 
 def test_best_width_trades_expected_tokens_against_measured_cost():
@@ -214,19 +218,23 @@ def greedy4(smol, chat_ids):
 GREEDY4 = (4, 9, 0, 5)
 
 
-@pytest.mark.parametrize("rank,probs,nodes", [
-    (0, (0.9, 0.06, 0.04), 16),  # perfect: the whole depth is accepted each step
-    (None, (0.9, 0.06, 0.04), 16),  # always wrong
-    (1, (0.6, 0.3, 0.1), 24),  # the right token always second
-    (2, (1 / 3, 1 / 3, 1 / 3), 12),  # ties inside the top-k, the right one third
-], ids=["perfect", "wrong", "second", "ties"])
-def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_drafter, greedy4, rank, probs,
-                                              nodes):
+@pytest.mark.parametrize(
+    "rank,probs,nodes",
+    [
+        (0, (0.9, 0.06, 0.04), 16),  # perfect: the whole depth is accepted each step
+        (None, (0.9, 0.06, 0.04), 16),  # always wrong
+        (1, (0.6, 0.3, 0.1), 24),  # the right token always second
+        (2, (1 / 3, 1 / 3, 1 / 3), 12),  # ties inside the top-k, the right one third
+    ],
+    ids=["perfect", "wrong", "second", "ties"],
+)
+def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_drafter, greedy4, rank, probs, nodes):
     prompts, truths = greedy4
     proposer = RiggedTree(random_drafter, smol, truths, [len(p) for p in prompts], rank, probs)
     states = run(smol, proposer, prompts, nodes + 1)
-    for k, (p, out, truth, ref) in enumerate(zip(prompts, states, truths, [hf_greedy[i] for i in GREEDY4],
-                                                 strict=False)):
+    for k, (p, out, truth, ref) in enumerate(
+        zip(prompts, states, truths, [hf_greedy[i] for i in GREEDY4], strict=False)
+    ):
         assert out.output_ids == truth, f"row {k}"
         assert_same_or_tie(hf_smol, p, out.output_ids, ref, f"tree {rank} row {k}")
         steps = out.acceptance_lengths[:-1]  # the last step is cut by the answer's end
@@ -240,8 +248,7 @@ def test_tree_greedy_equals_our_and_hf_greedy(smol, hf_smol, hf_greedy, random_d
             assert all(a >= 3 for a in steps), steps
 
 
-def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol, hf_smol, random_drafter,
-                                                                          greedy4):
+def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol, hf_smol, random_drafter, greedy4):
     prompts, truths = greedy4
     proposer = DFlashTreeProposer(random_drafter, smol, top_k=4)
     states = run(smol, proposer, prompts, 33)
@@ -264,7 +271,7 @@ def test_real_drafter_tree_is_exact_and_the_drafter_sees_the_accepted_path(smol,
             random_drafter.write_context(fresh, feats, torch.arange(seq.shape[1])[None])
         n = seq.shape[1]
         for name in ("k", "v"):
-            got = getattr(proposer.cache, name)[:, row: row + 1, ..., :n, :]
+            got = getattr(proposer.cache, name)[:, row : row + 1, ..., :n, :]
             want = getattr(fresh, name)[..., :n, :]
             assert torch.allclose(got, want, atol=2e-4), (row, name, float((got - want).abs().max()))
 
@@ -326,8 +333,14 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4, m
 def tree_counts(target, proposer, params, nodes, n=3000, batch=500):
     counts = {}
     for start in range(0, n, batch):
-        reqs = [Request(PROMPT, max_new_tokens=L, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=start + i)) for i in range(batch)]
+        reqs = [
+            Request(
+                PROMPT,
+                max_new_tokens=L,
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=start + i),
+            )
+            for i in range(batch)
+        ]
         states = []
         for _ in generate_steps(target, proposer, reqs, nodes + 1, states):
             pass
@@ -372,11 +385,20 @@ def test_the_test_rejects_descending_into_the_most_probable_child(tiny, monkeypa
 def test_a_seed_gives_the_same_tokens_with_trees_cuts_and_without(tiny):  # noqa: F811
     _, target, drafter = tiny
     for params in CASES:
-        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(40)]
+        reqs = [
+            Request(
+                PROMPT,
+                max_new_tokens=12,
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
+            )
+            for s in range(40)
+        ]
         outs = {}
-        for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashTreeProposer(drafter, target, top_k=3), 9),
-                                      ("cut", DFlashProposer(drafter, target), 4)]:
+        for name, proposer, block in [
+            ("ar", Proposer(), 1),
+            ("tree", DFlashTreeProposer(drafter, target, top_k=3), 9),
+            ("cut", DFlashProposer(drafter, target), 4),
+        ]:
             states = []
             for _ in generate_steps(target, proposer, reqs, block, states, adaptive=name == "cut"):
                 pass
@@ -425,8 +447,14 @@ def test_a_markov_head_tree_gives_the_targets_tokens_with_any_seed(tiny):  # noq
         drafter.markov_head.markov_w1.weight.mul_(30)
         drafter.markov_head.markov_w2.weight.mul_(30)
     for params in CASES:
-        reqs = [Request(PROMPT, max_new_tokens=12, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=s)) for s in range(24)]
+        reqs = [
+            Request(
+                PROMPT,
+                max_new_tokens=12,
+                sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
+            )
+            for s in range(24)
+        ]
         outs = {}
         for name, proposer, block in [("ar", Proposer(), 1), ("tree", DFlashTreeProposer(drafter, target, top_k=3), 9)]:
             states = []

@@ -54,9 +54,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-COMMITTED_ANSWERS = ["data/regen/smollm2-135m-instruct", "data/regen/smollm2-135m-instruct-synth",
-                     "data/regen/smollm2-135m-instruct-t07", "data/regen/smollm2-135m-instruct-t08",
-                     "data/regen/smollm2-135m-instruct-t10", "data/regen/smollm2-135m-instruct-sampled"]
+COMMITTED_ANSWERS = [
+    "data/regen/smollm2-135m-instruct",
+    "data/regen/smollm2-135m-instruct-synth",
+    "data/regen/smollm2-135m-instruct-t07",
+    "data/regen/smollm2-135m-instruct-t08",
+    "data/regen/smollm2-135m-instruct-t10",
+    "data/regen/smollm2-135m-instruct-sampled",
+]
 PROMPTS = "data/prompts/smollm2-135m-instruct"
 NEW_ANSWERS = "smollm2-135m-instruct-sampled"  # the folder under data/regen the new answers go to
 PART = 15 * 2**20
@@ -103,8 +108,9 @@ def synthesize_prompts(engine, work: Path, per_domain: int, seconds: float, batc
             shutil.copytree(src, folder) if src.exists() else folder.mkdir(parents=True)
         have = sum(1 for _ in iter_samples(folder))
         t = time.time()
-        stats = synthesize(engine, folder, have + per_domain, domain, batch_size=batch,
-                           seconds=seconds / len(DOMAINS), progress=False)
+        stats = synthesize(
+            engine, folder, have + per_domain, domain, batch_size=batch, seconds=seconds / len(DOMAINS), progress=False
+        )
         kept[domain] = stats.kept - have
         log(f"prompts {domain}: {kept[domain]} new in {time.time() - t:.0f}s, rejected {dict(stats.rejected)}")
     return kept
@@ -164,13 +170,16 @@ class StepProfiler:
         if self.left == 0:
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            log(f"answers: profile of {self.steps} steps, {time.time() - self.t:.2f}s wall\n"
-                + profile_tables(self.prof, 12, "self_device_time_total", "self_cpu_time_total"))
+            log(
+                f"answers: profile of {self.steps} steps, {time.time() - self.t:.2f}s wall\n"
+                + profile_tables(self.prof, 12, "self_device_time_total", "self_cpu_time_total")
+            )
 
 
 def answer(engine, work: Path, seconds: float, batch: int, max_new_tokens: int, answers: int) -> int:
     from blockdraft.train.answers import AnswerDeduper, AnswerSampling
-    from blockdraft.train.data import ShardWriter, answer_prompts, iter_samples
+    from blockdraft.train.data import ShardWriter, iter_samples
+    from blockdraft.train.regen import answer_prompts
 
     out = work / "regen" / NEW_ANSWERS
     out.mkdir(parents=True, exist_ok=True)
@@ -198,18 +207,30 @@ def answer(engine, work: Path, seconds: float, batch: int, max_new_tokens: int, 
             log(f"answers: profile FAILED:\n{traceback.format_exc()}")
         if st.seconds >= next_log[0]:  # the rate as it goes, for sizing the next lease
             next_log[0] += 20
-            log(f"answers: {st.seconds:.0f}s, {written[0]} written, {st.tokens / st.seconds:.0f} tok/s, "
-                f"{st.steps / st.seconds:.1f} steps/s")
+            log(
+                f"answers: {st.seconds:.0f}s, {written[0]} written, {st.tokens / st.seconds:.0f} tok/s, "
+                f"{st.steps / st.seconds:.1f} steps/s"
+            )
         # a device that turns out slow (under MIN_RATE answer tokens/s after 40 s) leaves the time to training
         return st.seconds > 40 and st.tokens < MIN_RATE * st.seconds
 
     try:
-        stats = answer_prompts(engine, todo, max_new_tokens=max_new_tokens, batch_size=batch, sampling=sampling,
-                               seconds=seconds, on_sample=on_sample, until=until)
+        stats = answer_prompts(
+            engine,
+            todo,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch,
+            sampling=sampling,
+            seconds=seconds,
+            on_sample=on_sample,
+            until=until,
+        )
     finally:
         writer.close()
-    log(f"answers: {written[0]} written, {stats.tokens} tokens in {stats.seconds:.0f}s "
-        f"({stats.tokens / max(stats.seconds, 1e-9):.0f} tok/s, {stats.steps} steps)")
+    log(
+        f"answers: {written[0]} written, {stats.tokens} tokens in {stats.seconds:.0f}s "
+        f"({stats.tokens / max(stats.seconds, 1e-9):.0f} tok/s, {stats.steps} steps)"
+    )
     return written[0]
 
 
@@ -225,10 +246,26 @@ def train(work: Path, seconds: float | None, target: str | None, batch: int, ove
     data = [str(ROOT / f) for f in COMMITTED_ANSWERS if (ROOT / f).is_dir()]
     if (work / "regen" / NEW_ANSWERS).is_dir():
         data.append(str(work / "regen" / NEW_ANSWERS))
-    settings = dict(block_size=8, num_layers=3, num_anchors=64, batch_size=batch, lr=2e-3, draft_vocab=8192,
-                    init="target-last-fc", max_seq_len=1024, markov_rank=256, schedule="wsd", warmup_steps=60,
-                    decay_frac=0.25, eval_every=0, eval_prompts=32, eval_max_new_tokens=96, save_every=10**9,
-                    log_every=20, max_steps=10**6)
+    settings = dict(
+        block_size=8,
+        num_layers=3,
+        num_anchors=64,
+        batch_size=batch,
+        lr=2e-3,
+        draft_vocab=8192,
+        init="target-last-fc",
+        max_seq_len=1024,
+        markov_rank=256,
+        schedule="wsd",
+        warmup_steps=60,
+        decay_frac=0.25,
+        eval_every=0,
+        eval_prompts=32,
+        eval_max_new_tokens=96,
+        save_every=10**9,
+        log_every=20,
+        max_steps=10**6,
+    )
     settings.update(overrides)
     t = time.time()
     cfg = TrainConfig(data=",".join(data), out=str(work / "train"), target=target, **settings)
@@ -261,8 +298,10 @@ def train(work: Path, seconds: float | None, target: str | None, batch: int, ove
         probe += 3
     left = seconds - (time.time() - T0) - 40  # the final evaluation and packing
     cfg.max_steps = max(probe + 10, probe + int(left / per_step))
-    log(f"train: {per_step * 1000:.0f} ms/step at batch {batch}; {cfg.max_steps} steps "
-        f"({cfg.max_steps * batch / len(trainer.samples):.2f} epochs)")
+    log(
+        f"train: {per_step * 1000:.0f} ms/step at batch {batch}; {cfg.max_steps} steps "
+        f"({cfg.max_steps * batch / len(trainer.samples):.2f} epochs)"
+    )
     trainer.run()
     return finish_training(work, trainer)
 
@@ -276,8 +315,10 @@ def profile_steps(trainer, until: int):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.run(until=until)
         torch.cuda.synchronize()
-    log(f"profile: {until - start} steps in {time.time() - t:.2f}s wall under the profiler\n"
-        + profile_tables(prof, 15, "self_device_time_total"))
+    log(
+        f"profile: {until - start} steps in {time.time() - t:.2f}s wall under the profiler\n"
+        + profile_tables(prof, 15, "self_device_time_total")
+    )
 
 
 def finish_training(work: Path, trainer) -> Path:
@@ -298,7 +339,7 @@ def pack(work: Path, out: Path, budget: int = 60 * 2**20):
 
     def split(name: str, blob: bytes):
         for i in range(0, max(1, len(blob)), PART):
-            (ship / f"{name}.part{i // PART:02d}").write_bytes(blob[i:i + PART])
+            (ship / f"{name}.part{i // PART:02d}").write_bytes(blob[i : i + PART])
 
     run = work / "train"
     if (run / "drafter").is_dir():
@@ -308,8 +349,12 @@ def pack(work: Path, out: Path, budget: int = 60 * 2**20):
         from blockdraft.checkpoint import write_model_folder
 
         half = work / "drafter-fp16"  # the drafter's folder with fp16 weights (half the bytes)
-        write_model_folder(half, json.loads((run / "drafter" / "config.json").read_text()),
-                           load_file(str(run / "drafter" / "model.safetensors")), dtype=torch.float16)
+        write_model_folder(
+            half,
+            json.loads((run / "drafter" / "config.json").read_text()),
+            load_file(str(run / "drafter" / "model.safetensors")),
+            dtype=torch.float16,
+        )
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(half, arcname="drafter")
@@ -359,18 +404,40 @@ def cmd_prepare(args):
     blob = gguf_path().read_bytes()
     half = (len(blob) + 1) // 2
     for i in range(2):
-        (xfer / f"gguf.part{i}").write_bytes(blob[i * half:(i + 1) * half])
+        (xfer / f"gguf.part{i}").write_bytes(blob[i * half : (i + 1) * half])
     (xfer / "fingerprints.json").write_text(json.dumps(eval_fingerprints()))
     # the GGUF reader transformers converts with (the CUDA machine's image lacks it)
     import subprocess
     from importlib.metadata import version
 
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                    str(xfer / "whl"), f"gguf=={version('gguf')}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(xfer / "whl"),
+            f"gguf=={version('gguf')}",
+        ],
+        check=True,
+    )
     tiny = xfer / "tiny-target"
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tiny))
     transformers.AutoTokenizer.from_pretrained(str(default_target_dir())).save_pretrained(str(tiny))
@@ -434,8 +501,9 @@ def cmd_more(args):
         use_fingerprints(args.fingerprints)
     work = Path(args.work)
     first = set_aside(work, "train1")
-    overrides = dict(lr=args.lr, warmup_steps=30, decay_frac=0.3, max_steps=args.steps,
-                     init_from=str(first / "drafter"))
+    overrides = dict(
+        lr=args.lr, warmup_steps=30, decay_frac=0.3, max_steps=args.steps, init_from=str(first / "drafter")
+    )
     stage("train", train, work, None, args.target, args.train_batch, overrides)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stage("pack", pack, work, Path(args.out))
@@ -447,8 +515,7 @@ def cmd_train(args):
     if args.fingerprints:
         use_fingerprints(args.fingerprints)
     set_aside(Path(args.work), "train0")
-    stage("train", train, Path(args.work), args.seconds, args.target, args.train_batch,
-          json.loads(args.train_settings))
+    stage("train", train, Path(args.work), args.seconds, args.target, args.train_batch, json.loads(args.train_settings))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stage("pack", pack, Path(args.work), Path(args.out))
     log("done")
@@ -499,7 +566,7 @@ def cmd_unpack(args):
                     dest = ROOT / PROMPTS
                     members = [m for m in tar.getmembers() if m.name.startswith("prompts/")]
                     for m in members:
-                        m.name = m.name[len("prompts/"):]
+                        m.name = m.name[len("prompts/") :]
                 else:
                     dest, members = ROOT / "runs/accelerator", tar.getmembers()
                 members = [m for m in members if m.name]
@@ -526,8 +593,11 @@ def main():
         p.add_argument("--out", default=os.environ.get("OUT", "out/accelerator"))
         p.add_argument("--work", default="/tmp/accelerator-work")
         p.add_argument("--dtype", default=None)
-        p.add_argument("--fingerprints", default=".xfer/fingerprints.json",
-                       help="the evaluation prompts' fingerprints (written by `prepare`); empty: computed here")
+        p.add_argument(
+            "--fingerprints",
+            default=".xfer/fingerprints.json",
+            help="the evaluation prompts' fingerprints (written by `prepare`); empty: computed here",
+        )
         if name == "main":
             p.add_argument("--gguf-parts", default=".xfer/gguf.part*")
             p.add_argument("--seconds", type=float, default=480, help="the whole job's wall-clock budget")
@@ -565,8 +635,15 @@ def main():
     p = sub.add_parser("unpack")
     p.add_argument("files", nargs="+", help="folders of parts, in the order the calls returned them")
     args = ap.parse_args()
-    {"main": cmd_main, "smoke": cmd_smoke, "prepare": cmd_prepare, "more": cmd_more, "train": cmd_train,
-     "fetch-rest": cmd_fetch_rest, "unpack": cmd_unpack}[args.cmd](args)
+    {
+        "main": cmd_main,
+        "smoke": cmd_smoke,
+        "prepare": cmd_prepare,
+        "more": cmd_more,
+        "train": cmd_train,
+        "fetch-rest": cmd_fetch_rest,
+        "unpack": cmd_unpack,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

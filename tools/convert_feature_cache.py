@@ -57,8 +57,11 @@ def main():
     dst = FeatureCache(args.dst, target, meta["layers"], writer="convert", dtype=args.dtype)
     keys = None
     if args.data:
-        keys = [sequence_key((s["prompt_ids"] + s["answer_ids"])[: args.max_seq_len])
-                for folder in data_folders(args.data) for s in iter_samples(folder)]
+        keys = [
+            sequence_key((s["prompt_ids"] + s["answer_ids"])[: args.max_seq_len])
+            for folder in data_folders(args.data)
+            for s in iter_samples(folder)
+        ]
     print(f"copied {convert(src, dst, keys)} samples to {args.dst} ({args.dtype})", file=sys.stderr)
     src.close()
     dst.close()

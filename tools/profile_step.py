@@ -40,10 +40,14 @@ def main():
     top = [e for e in events if not e.key.startswith("aten::") or e.self_cpu_time_total > 0]
     op_time = sum(e.self_cpu_time_total for e in events) / 1e3  # ms
     calls = sum(e.count for e in events)
-    print(f"{torch.get_num_threads()} threads, {out.num_output_tokens} tokens in {steps} steps "
-          f"(+ prefill); unprofiled run: {plain.tokens_per_second:.1f} tok/s")
-    print(f"per step: wall {wall / steps * 1e3:.2f} ms (profiled), inside ops {op_time / steps:.2f} ms, "
-          f"{calls / steps:.0f} op calls")
+    print(
+        f"{torch.get_num_threads()} threads, {out.num_output_tokens} tokens in {steps} steps "
+        f"(+ prefill); unprofiled run: {plain.tokens_per_second:.1f} tok/s"
+    )
+    print(
+        f"per step: wall {wall / steps * 1e3:.2f} ms (profiled), inside ops {op_time / steps:.2f} ms, "
+        f"{calls / steps:.0f} op calls"
+    )
     print("| op | calls/step | ms/step | share of op time |\n|---|---|---|---|")
     for e in sorted(top, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
         ms = e.self_cpu_time_total / 1e3 / steps

@@ -36,11 +36,19 @@ SCALING_LOG = TRAIN_LOGS / "experiments.jsonl"
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench (first turns)", "gsm8k": "GSM8K"}
 # What each architecture's card says it is, and where it goes.
 KINDS = {
-    "dflash": dict(dest=DEST, title="DFlash drafter", method="dflash",
-                   use="loaded by default by `blockdraft generate`, `bench` and `serve` for the default target"),
-    "eagle3": dict(dest=EAGLE_DEST, title="EAGLE-3-style baseline drafter", method="eagle3",
-                   use="the baseline that `blockdraft bench --methods eagle3` compares DFlash with; loaded "
-                       "when method eagle3 is asked for"),
+    "dflash": dict(
+        dest=DEST,
+        title="DFlash drafter",
+        method="dflash",
+        use="loaded by default by `blockdraft generate`, `bench` and `serve` for the default target",
+    ),
+    "eagle3": dict(
+        dest=EAGLE_DEST,
+        title="EAGLE-3-style baseline drafter",
+        method="eagle3",
+        use="the baseline that `blockdraft bench --methods eagle3` compares DFlash with; loaded "
+        "when method eagle3 is asked for",
+    ),
 }
 
 
@@ -50,8 +58,13 @@ def data_summary(cfg: dict) -> tuple[collections.Counter, int, int, int, int]:
     settings train on; and how many its --skip-trained-by left out."""
     from blockdraft.train.samples import trained_ids, training_samples
 
-    train, valid, _, skipped = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
-                                                None, trained_ids(cfg.get("skip_trained_by")))
+    train, valid, _, skipped = training_samples(
+        cfg["data"],
+        cfg.get("max_seq_len", 512),
+        cfg.get("folder_samples"),
+        None,
+        trained_ids(cfg.get("skip_trained_by")),
+    )
     samples = [t[2] for t in train + valid]
     sources = collections.Counter(s["id"].split("/", 1)[0] for s in samples)
     return sources, len(train), len(valid), sum(bool(s.get("temperature")) for s in samples), skipped
@@ -65,15 +78,23 @@ def scaling_table(path: str, arch: str = "dflash") -> str:
             rows[rec["samples"]] = rec
     if not rows:
         return ""
-    body = "".join(f"| {n:,} | {r['epochs']} | {r['steps']:,} | {r.get('tau_blocks', float('nan')):.3f} | "
-                   f"{r['tau']:.3f} | {r['val_acc'][0]:.3f} |\n" for n, r in sorted(rows.items()))
+    body = "".join(
+        f"| {n:,} | {r['epochs']} | {r['steps']:,} | {r.get('tau_blocks', float('nan')):.3f} | "
+        f"{r['tau']:.3f} | {r['val_acc'][0]:.3f} |\n"
+        for n, r in sorted(rows.items())
+    )
     cfg = rows[max(rows)].get("config", {})
-    recipe = ", ".join(f"{name} {cfg[key]}" for name, key in (("block", "block_size"), ("anchors", "num_anchors"),
-                                                              ("lr", "lr"), ("schedule", "schedule")) if key in cfg)
-    return (f"\n## Data-scaling curve ({arch} on the first N samples, one epoch, from scratch; {recipe}; "
-            "`benchmarks/experiments.py scaling`)\n\n"
-            "| distinct samples | epochs | steps | τ teacher-forced (held-out answers) | τ decode loop "
-            "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body)
+    recipe = ", ".join(
+        f"{name} {cfg[key]}"
+        for name, key in (("block", "block_size"), ("anchors", "num_anchors"), ("lr", "lr"), ("schedule", "schedule"))
+        if key in cfg
+    )
+    return (
+        f"\n## Data-scaling curve ({arch} on the first N samples, one epoch, from scratch; {recipe}; "
+        "`benchmarks/experiments.py scaling`)\n\n"
+        "| distinct samples | epochs | steps | τ teacher-forced (held-out answers) | τ decode loop "
+        "(held-out prompts) | accuracy at draft position 1 |\n|---|---|---|---|---|---|\n" + body
+    )
 
 
 ANCESTRY_ROWS = ("| data |", "| training |", "| training time |", "| warm start |")
@@ -123,10 +144,28 @@ def measured_taus(args, run: Path, dest: Path, method: str) -> tuple[dict, dict,
             report = json.loads(path.read_text())
         else:
             out = run / f"bench-{dataset}"
-            subprocess.run([sys.executable, "-m", "blockdraft", "bench", "--dataset", dataset, "--first-turn-only",
-                            "--methods", method, "--max-samples", str(args.samples),
-                            "--max-new-tokens", str(args.max_new_tokens),
-                            "--draft" if method == "dflash" else "--eagle", str(dest), "--out", str(out)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "blockdraft",
+                    "bench",
+                    "--dataset",
+                    dataset,
+                    "--first-turn-only",
+                    "--methods",
+                    method,
+                    "--max-samples",
+                    str(args.samples),
+                    "--max-new-tokens",
+                    str(args.max_new_tokens),
+                    "--draft" if method == "dflash" else "--eagle",
+                    str(dest),
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+            )
             report = json.loads((out / "results.json").read_text())
         taus[dataset] = {name: m["tau"] for name, m in report["methods"].items() if name.split("@")[0] == method}
         samples[dataset] = report["num_prompts"]
@@ -144,8 +183,9 @@ def run_metrics(run: Path) -> list[dict]:
         if path.is_file():
             by_step.update((m["step"], m) for m in (json.loads(line) for line in path.read_text().splitlines() if line))
     if not by_step:
-        raise SystemExit(f"no metrics for {run}: neither {run / 'metrics.jsonl'} "
-                         f"nor {TRAIN_LOGS / run.name}.metrics.jsonl")
+        raise SystemExit(
+            f"no metrics for {run}: neither {run / 'metrics.jsonl'} nor {TRAIN_LOGS / run.name}.metrics.jsonl"
+        )
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -168,54 +208,72 @@ def ship(args, run: Path, arch: str):
     wall = max(m["elapsed"] for m in metrics)
     n_params = sum(p.numel() for p in drafter.parameters())
     names = list(next(iter(taus.values())))
-    tau_table = "\n".join([
-        "| dataset | prompts | " + " | ".join(f"τ at block {block_of(n, cfg)}" for n in names) + " |",
-        "|---|---|" + "---|" * len(names),
-        *[f"| {DATASETS[d]} | first {samples[d]} | " + " | ".join(f"{taus[d][n]:.2f}" for n in names) + " |"
-          for d in taus],
-    ])
+    tau_table = "\n".join(
+        [
+            "| dataset | prompts | " + " | ".join(f"τ at block {block_of(n, cfg)}" for n in names) + " |",
+            "|---|---|" + "---|" * len(names),
+            *[
+                f"| {DATASETS[d]} | first {samples[d]} | " + " | ".join(f"{taus[d][n]:.2f}" for n in names) + " |"
+                for d in taus
+            ],
+        ]
+    )
     sources, train, valid, sampled, skipped = data_summary(cfg)
-    folders_note = (f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on"
-                    if skipped else "")
-    answers = ("greedily" if not sampled else
-               f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)")
+    folders_note = (
+        f", leaving out the {skipped:,} samples that `{cfg['skip_trained_by']}` trained on" if skipped else ""
+    )
+    answers = (
+        "greedily"
+        if not sampled
+        else f"greedily ({train + valid - sampled:,}) and sampled ({sampled:,}, temperatures as each sample records)"
+    )
     folders = ", ".join(f"`{f}`" for f in cfg["data"].split(","))
     presented = state["step"] * cfg["batch_size"]  # sequences trained on (a WSD branch: its first ones)
     distinct = min(train, cfg.get("limit_samples") or train, presented)
     epochs = presented / distinct
     vocab = f"{cfg['draft_vocab']} (most frequent answer tokens)" if cfg.get("draft_vocab") else "full"
     warmup = f"{cfg['warmup_steps']} steps" if cfg.get("warmup_steps") else f"{cfg['warmup_frac']:.0%}"
-    threads = state.get("threads") or next((r.get("threads") for r in records(args.scaling)
-                                             if r.get("config", {}).get("out") == str(run)), None)
+    threads = state.get("threads") or next(
+        (r.get("threads") for r in records(args.scaling) if r.get("config", {}).get("out") == str(run)), None
+    )
     threads = f"{threads} threads, " if threads else ""
     # Runs saved before the resolved dtype was recorded: the one asked for (auto meant fp32 on CPU).
     dtype = state.get("target_dtype") or {"auto": "float32"}.get(cfg.get("dtype", "auto"), cfg.get("dtype"))
     precision = "fp32" if dtype == "float32" else f"{dtype} target, fp32 drafter under autocast"
     init = "the warm start below" if cfg.get("init_from") else cfg.get("init", "random")
     if arch == "dflash":
-        shape = (f"{cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size "
-                 f"{cfg['block_size']} (drafted in one pass), target layers {drafter.config.target_layer_ids}, "
-                 f"mask token {cfg['mask_token_id']}")
+        shape = (
+            f"{cfg['num_layers']} Qwen3-style layer(s), {n_params / 1e6:.1f}M parameters, block size "
+            f"{cfg['block_size']} (drafted in one pass), target layers {drafter.config.target_layer_ids}, "
+            f"mask token {cfg['mask_token_id']}"
+        )
         fmt = "Published z-lab format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
         if cfg.get("markov_rank"):
             head = sum(p.numel() for p in drafter.markov_head.parameters())
-            shape += (f", a rank-{cfg['markov_rank']} Markov head ({head / 1e6:.1f}M of the parameters: each "
-                      "position's logits corrected by the token before it, DSpark's vanilla head)")
-            fmt = ("Labelled as DSpark's (`Qwen3DSparkModel`, with DeepSpec's top-level keys and the Markov-head "
-                   "keys `markov_rank`, `markov_head_type`, `sample_from_anchor`, `num_anchors`), so that an engine "
-                   "runs all of it or refuses it; `blockdraft export drafter` writes DeepSpec's layout, `blockdraft "
-                   "export gguf-drafter` llama.cpp's draft-dspark GGUF.")
+            shape += (
+                f", a rank-{cfg['markov_rank']} Markov head ({head / 1e6:.1f}M of the parameters: each "
+                "position's logits corrected by the token before it, DSpark's vanilla head)"
+            )
+            fmt = (
+                "Labelled as DSpark's (`Qwen3DSparkModel`, with DeepSpec's top-level keys and the Markov-head "
+                "keys `markov_rank`, `markov_head_type`, `sample_from_anchor`, `num_anchors`), so that an engine "
+                "runs all of it or refuses it; `blockdraft export drafter` writes DeepSpec's layout, `blockdraft "
+                "export gguf-drafter` llama.cpp's draft-dspark GGUF."
+            )
     else:
-        shape = (f"1 decoder layer, {n_params / 1e6:.1f}M parameters, chains of up to {cfg['block_size'] - 1} "
-                 f"tokens (one pass per token), target layers {drafter.config.target_layer_ids} fused by `fc`")
+        shape = (
+            f"1 decoder layer, {n_params / 1e6:.1f}M parameters, chains of up to {cfg['block_size'] - 1} "
+            f"tokens (one pass per token), target layers {drafter.config.target_layer_ids} fused by `fc`"
+        )
         fmt = "blockdraft's own format (`config.json` + `model.safetensors`, fp16, no embedding / LM head)."
     flag = f" --markov-rank {cfg['markov_rank']}" if cfg.get("markov_rank") else ""
     title = "DSpark-style drafter (DFlash with a Markov head)" if cfg.get("markov_rank") else kind["title"]
-    card = (f"""# {title} for SmolLM2-135M-Instruct
+    card = (
+        f"""# {title} for SmolLM2-135M-Instruct
 
-Trained by `blockdraft train{'' if arch == 'dflash' else ' --arch eagle3'}{flag}` \
+Trained by `blockdraft train{"" if arch == "dflash" else " --arch eagle3"}{flag}` \
 (the open recipe in this repository) on
-this project's CPU machine; {kind['use']}. {fmt}
+this project's CPU machine; {kind["use"]}. {fmt}
 
 | | |
 |---|---|
@@ -223,10 +281,10 @@ this project's CPU machine; {kind['use']}. {fmt}
 | data | answers regenerated {answers} by SmolLM2-135M-Instruct ({folders}, benchmark prompts \
 excluded{folders_note}): {train:,} training samples ({valid:,} held out); sources \
 {", ".join(f"{k} {v:,}" for k, v in sources.most_common())} |
-| training | {state['step']:,} steps x {cfg['batch_size']} sequences (max {cfg['max_seq_len']} tokens; \
-{state.get('tokens_seen', 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, \
-{cfg['num_anchors']} random anchors per sequence, loss decay gamma {cfg['gamma'] or 'default'}, AdamW lr {cfg['lr']}, \
-warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
+| training | {state["step"]:,} steps x {cfg["batch_size"]} sequences (max {cfg["max_seq_len"]} tokens; \
+{state.get("tokens_seen", 0) / 1e6:.2f}M tokens seen) = {epochs:.2f} epochs over {distinct:,} distinct samples, \
+{cfg["num_anchors"]} random anchors per sequence, loss decay gamma {cfg["gamma"] or "default"}, AdamW lr {cfg["lr"]}, \
+warmup {warmup}, {cfg.get("schedule", "cosine")} schedule |
 | training time | {wall / 3600:.1f} hours of wall time (pauses for other jobs included) on {cpu_name()} \
 ({threads}{precision}, torch {torch.__version__}) |
 {parent}
@@ -237,12 +295,15 @@ warmup {warmup}, {cfg.get('schedule', 'cosine')} schedule |
 Reproduce: `blockdraft bench --dataset {",".join(taus)} --first-turn-only --methods {",".join(names)} --max-samples \
 {next(iter(samples.values()))} --max-new-tokens {max_new}`.
 
-## τ on held-out prompts during training (real decode loop, {cfg['eval_max_new_tokens']} new tokens)
+## τ on held-out prompts during training (real decode loop, {cfg["eval_max_new_tokens"]} new tokens)
 
 | step | tokens seen | τ |
 |---|---|---|
-""" + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve)
-            + scaling_table(args.scaling, arch) + f"\n{card_mark(state)}\n")
+"""
+        + "".join(f"| {s} | {(n or 0) / 1e3:.0f}K | {t:.3f} |\n" for s, n, t in curve)
+        + scaling_table(args.scaling, arch)
+        + f"\n{card_mark(state)}\n"
+    )
     (kind["dest"] / "README.md").write_text(card)
     print(card)
 
@@ -254,8 +315,11 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--bench", help="read tau from this bench output folder instead of measuring")
     ap.add_argument("--eagle", help="ship the EAGLE-3-style baseline trained in this run folder")
-    ap.add_argument("--scaling", default=str(SCALING_LOG),
-                    help="experiment log whose data-scaling records (benchmarks/experiments.py scaling) go in the card")
+    ap.add_argument(
+        "--scaling",
+        default=str(SCALING_LOG),
+        help="experiment log whose data-scaling records (benchmarks/experiments.py scaling) go in the card",
+    )
     args = ap.parse_args()
     if not args.run and not args.eagle:
         ap.error("name a DFlash run folder, --eagle RUN, or both")

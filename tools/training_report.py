@@ -28,7 +28,7 @@ def load(run: Path) -> dict:
         metrics, state_file = run / "metrics.jsonl", run / "checkpoint" / "state.json"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     config = json.loads(state_file.read_text())["config"] if state_file.is_file() else {}
-    tail = records[-max(1, len(records) // 5):]
+    tail = records[-max(1, len(records) // 5) :]
     tokens, curve = 0, []
     log_every = config.get("log_every", 1)
     for r in records:  # exact when logged; older runs: records every log_every steps, scaled
@@ -36,20 +36,31 @@ def load(run: Path) -> dict:
         if "tau" in r:
             curve.append((r["step"], tokens, r["tau"]))
     acc = [statistics.mean(r["acc"][k] for r in tail) for k in range(len(tail[0]["acc"]))]
-    return {"name": run.name, "config": config, "steps": records[-1]["step"],
-            "sequences": records[-1]["step"] * config.get("batch_size", 0), "approx_tokens": tokens,
-            "minutes": records[-1]["elapsed"] / 60, "loss": statistics.mean(r["loss"] for r in tail),
-            "acc": acc, "curve": curve}
+    return {
+        "name": run.name,
+        "config": config,
+        "steps": records[-1]["step"],
+        "sequences": records[-1]["step"] * config.get("batch_size", 0),
+        "approx_tokens": tokens,
+        "minutes": records[-1]["elapsed"] / 60,
+        "loss": statistics.mean(r["loss"] for r in tail),
+        "acc": acc,
+        "curve": curve,
+    }
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| run | steps | minutes | loss (last 20%) | acc@1 | acc@2 | acc@4 | τ (held-out, last eval) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | steps | minutes | loss (last 20%) | acc@1 | acc@2 | acc@4 | τ (held-out, last eval) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         acc = r["acc"] + [float("nan")] * 4
         tau = f"{r['curve'][-1][2]:.3f}" if r["curve"] else "-"
-        lines.append(f"| {r['name']} | {r['steps']} | {r['minutes']:.0f} | {r['loss']:.3f} | {acc[0]:.3f} | "
-                     f"{acc[1]:.3f} | {acc[3]:.3f} | {tau} |")
+        lines.append(
+            f"| {r['name']} | {r['steps']} | {r['minutes']:.0f} | {r['loss']:.3f} | {acc[0]:.3f} | "
+            f"{acc[1]:.3f} | {acc[3]:.3f} | {tau} |"
+        )
     return "\n".join(lines)
 
 

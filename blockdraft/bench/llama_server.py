@@ -36,12 +36,16 @@ from ..errors import BlockdraftError
 from ..serve.client import end_process, free_port
 
 REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "llama.cpp" / "bin" / "llama-server"
-BUILD_HINT = ("llama.cpp's llama-server is not built: `make llama-server` builds it once from the pinned "
-              "llama-cpp-python sdist's source (~17 minutes on 2 cores), or set BLOCKDRAFT_LLAMA_SERVER to a binary")
-AMX_HINT = ("{what} died with an illegal instruction: it was compiled for AMX, which this CPU reports but its "
-            "kernel or hypervisor does not enable (quantized weights run AMX kernels). Rebuild without AMX: "
-            "rm -rf build/llama.cpp && make {target} LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
-            "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'")
+BUILD_HINT = (
+    "llama.cpp's llama-server is not built: `make llama-server` builds it once from the pinned "
+    "llama-cpp-python sdist's source (~17 minutes on 2 cores), or set BLOCKDRAFT_LLAMA_SERVER to a binary"
+)
+AMX_HINT = (
+    "{what} died with an illegal instruction: it was compiled for AMX, which this CPU reports but its "
+    "kernel or hypervisor does not enable (quantized weights run AMX kernels). Rebuild without AMX: "
+    "rm -rf build/llama.cpp && make {target} LLAMACPP_CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON "
+    "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'"
+)
 STEP = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
@@ -59,28 +63,68 @@ class LlamaServer:
     """One llama-server process (optionally with a DFlash drafter); `complete(ids, ...)`
     returns (new token ids, per-step acceptance lengths, response timings)."""
 
-    def __init__(self, model: str | Path, *, drafter: str | Path | None = None, draft_max: int | None = None,
-                 context: int = 4096, threads: int | None = None, binary: str | Path | None = None,
-                 start_timeout: float = 300.0, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        drafter: str | Path | None = None,
+        draft_max: int | None = None,
+        context: int = 4096,
+        threads: int | None = None,
+        binary: str | Path | None = None,
+        start_timeout: float = 300.0,
+        extra_args: tuple[str, ...] = (),
+    ):
         binary = Path(binary) if binary else find_llama_server()
         if binary is None:
             raise BlockdraftError(BUILD_HINT)
         threads = threads or torch.get_num_threads()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(context),
-               "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui", "-ngl", "0"]
+        cmd = [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-c",
+            str(context),
+            "-np",
+            "1",
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--no-webui",
+            "-ngl",
+            "0",
+        ]
         if drafter is not None:
-            cmd += ["--spec-type", spec_type(drafter), "--spec-draft-model", str(drafter), "--spec-draft-ngl", "0",
-                    "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
+            cmd += [
+                "--spec-type",
+                spec_type(drafter),
+                "--spec-draft-model",
+                str(drafter),
+                "--spec-draft-ngl",
+                "0",
+                "--spec-draft-p-min",
+                "0",
+                "-td",
+                str(threads),
+                "-tbd",
+                str(threads),
+            ]
             if draft_max is not None:
                 cmd += ["--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
         cmd += list(extra_args)
         self.cmd = cmd
         self.log: list[str] = []
         self._lines: queue.Queue[str] = queue.Queue()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "LLAMA_TRACE": "1"})
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "LLAMA_TRACE": "1"}
+        )
         threading.Thread(target=self._read, daemon=True).start()
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
         deadline = time.monotonic() + start_timeout
@@ -113,14 +157,25 @@ class LlamaServer:
             except queue.Empty:
                 return out
 
-    def complete(self, ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> tuple[list[int], list[int], dict, float]:
+    def complete(
+        self, ids: list[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> tuple[list[int], list[int], dict, float]:
         """Generate from prompt token ids: (new ids, acceptance lengths per verify step,
         llama-server's timings, client seconds)."""
         self._drain()
-        body = {"prompt": list(ids), "n_predict": max_new_tokens, "cache_prompt": False, "return_tokens": True,
-                "seed": seed, "temperature": temperature, "top_k": 0 if temperature > 0 else 1, "top_p": 1.0,
-                "min_p": 0.0, "repeat_penalty": 1.0, "stream": False}
+        body = {
+            "prompt": list(ids),
+            "n_predict": max_new_tokens,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "seed": seed,
+            "temperature": temperature,
+            "top_k": 0 if temperature > 0 else 1,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+            "stream": False,
+        }
         t0 = time.perf_counter()
         reply = self.http.post("/completion", json=body)
         seconds = time.perf_counter() - t0
@@ -154,12 +209,12 @@ def spec_type(drafter: str | Path) -> str:
     head (`markov_w1`), draft-dflash otherwise (llama.cpp's own rule when it detects the type)."""
     from gguf import GGUFReader
 
-    return ("draft-dspark" if any(t.name == "markov_w1.weight" for t in GGUFReader(drafter).tensors)
-            else "draft-dflash")
+    return "draft-dspark" if any(t.name == "markov_w1.weight" for t in GGUFReader(drafter).tensors) else "draft-dflash"
 
 
-def drafter_gguf(drafter: str | Path, target_gguf: str | Path, weight_type: str = "F16",
-                 full_vocab: bool = False) -> Path:
+def drafter_gguf(
+    drafter: str | Path, target_gguf: str | Path, weight_type: str = "F16", full_vocab: bool = False
+) -> Path:
     """Our drafter as llama.cpp's drafter GGUF, written once into a cache folder keyed by the
     drafter's weights, the target file, the weight type and the vocabulary choice."""
     import hashlib
@@ -183,6 +238,7 @@ def drafter_gguf(drafter: str | Path, target_gguf: str | Path, weight_type: str 
 def describe(path: str | Path) -> dict:
     """The binary, its version line and the CPU features it was built for (its "system_info"
     line, which it logs at debug verbosity before loading a model: here a missing one), for reports."""
+
     def run(*args):
         try:
             out = subprocess.run([str(path), *args], capture_output=True, text=True, timeout=30)
@@ -190,8 +246,16 @@ def describe(path: str | Path) -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return []
 
-    info = next((line.split("system_info:", 1)[1] for line in run("-lv", "4", "-m", "/nonexistent.gguf", "--port", "0")
-                 if "system_info:" in line), "")
-    return {"binary": str(path), "version": next((v for v in run("--version") if "version" in v), ""),
-            "build": info.split("|", 1)[-1].strip() if info else "not recorded"}
-
+    info = next(
+        (
+            line.split("system_info:", 1)[1]
+            for line in run("-lv", "4", "-m", "/nonexistent.gguf", "--port", "0")
+            if "system_info:" in line
+        ),
+        "",
+    )
+    return {
+        "binary": str(path),
+        "version": next((v for v in run("--version") if "version" in v), ""),
+        "build": info.split("|", 1)[-1].strip() if info else "not recorded",
+    }

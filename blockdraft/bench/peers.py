@@ -29,8 +29,10 @@ import torch
 from ..engine import Generation
 from ..errors import BlockdraftError
 
-LLAMACPP_HINT = ("llama.cpp peers need llama-cpp-python: pip install '.[peers]' "
-                 "(compiles llama.cpp from source, about 10 minutes on 2 cores)")
+LLAMACPP_HINT = (
+    "llama.cpp peers need llama-cpp-python: pip install '.[peers]' "
+    "(compiles llama.cpp from source, about 10 minutes on 2 cores)"
+)
 
 
 def llamacpp_available() -> bool:
@@ -66,10 +68,19 @@ def _finish(engine, ids: list[int], new: list[int], elapsed: float, method: str,
             new = new[: i + 1]
             break
     finish = "stop" if new and new[-1] in eos else "length"
-    return Generation(text=engine.tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
-                      num_prompt_tokens=len(ids), num_output_tokens=len(new), acceptance_lengths=[], tau=0.0,
-                      decode_seconds=elapsed, tokens_per_second=len(new) / elapsed if elapsed else 0.0,
-                      finish_reason=finish, method=method, block_size=block)
+    return Generation(
+        text=engine.tokenizer.decode(new, skip_special_tokens=True),
+        token_ids=new,
+        num_prompt_tokens=len(ids),
+        num_output_tokens=len(new),
+        acceptance_lengths=[],
+        tau=0.0,
+        decode_seconds=elapsed,
+        tokens_per_second=len(new) / elapsed if elapsed else 0.0,
+        finish_reason=finish,
+        method=method,
+        block_size=block,
+    )
 
 
 class HFRunner:
@@ -83,11 +94,11 @@ class HFRunner:
         self.model = self.model.to(engine.target.device).eval()
 
     @torch.inference_mode()
-    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-                 lookup_tokens: int = 0) -> Generation:
+    def generate(
+        self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, lookup_tokens: int = 0
+    ) -> Generation:
         eos = list(self.engine.stop_token_ids)
-        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                      do_sample=temperature > 0)
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], do_sample=temperature > 0)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
             torch.manual_seed(seed)
@@ -97,23 +108,28 @@ class HFRunner:
         t0 = time.perf_counter()
         out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         elapsed = time.perf_counter() - t0
-        return _finish(self.engine, ids, out[0, len(ids):].tolist(), elapsed,
-                       "hf-lookup" if lookup_tokens else "hf", lookup_tokens + 1)
+        return _finish(
+            self.engine,
+            ids,
+            out[0, len(ids) :].tolist(),
+            elapsed,
+            "hf-lookup" if lookup_tokens else "hf",
+            lookup_tokens + 1,
+        )
 
 
 def default_gguf(engine) -> Path:
     """The GGUF with the engine's own weights: for the default target in fp32 its F32 file
     (written once), with --dtype q4_1 the original Q4_1 file."""
     if not getattr(engine, "default_target", False):
-        raise BlockdraftError("llamacpp on a --target folder needs --gguf FILE (a GGUF of the same weights, "
-                              "e.g. from llama.cpp's convert_hf_to_gguf.py --outtype f32)")
+        raise BlockdraftError(
+            "llamacpp on a --target folder needs --gguf FILE (a GGUF of the same weights, "
+            "e.g. from llama.cpp's convert_hf_to_gguf.py --outtype f32)"
+        )
     from ..models.default import gguf_path
     from ..models.gguf import default_f32_gguf
 
     return gguf_path() if engine.weights == "q4_1" else default_f32_gguf()
-
-
-
 
 
 def probe_llamacpp(path: Path) -> None:
@@ -124,9 +140,11 @@ def probe_llamacpp(path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from llama_cpp import Llama; "
-            "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
-            "next(m.generate([1, 2, 3], temp=0.0, top_k=1))")
+    code = (
+        "import sys; from llama_cpp import Llama; "
+        "m = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
+        "next(m.generate([1, 2, 3], temp=0.0, top_k=1))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     if proc.returncode == -signal.SIGILL:
         from .llama_server import AMX_HINT
@@ -171,15 +189,23 @@ class LlamaCppRunner:
                 kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
             threads = torch.get_num_threads()
             llm = self._models[lookup_tokens] = Llama(
-                model_path=str(self.path), n_ctx=self.context, n_threads=threads, n_threads_batch=threads,
-                verbose=False, **kwargs)
+                model_path=str(self.path),
+                n_ctx=self.context,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+                **kwargs,
+            )
         return llm
 
-    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-                 lookup_tokens: int = 0) -> Generation:
+    def generate(
+        self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, lookup_tokens: int = 0
+    ) -> Generation:
         if len(ids) + max_new_tokens > self.context:
-            raise BlockdraftError(f"llamacpp: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                                  f"its context of {self.context} tokens")
+            raise BlockdraftError(
+                f"llamacpp: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"its context of {self.context} tokens"
+            )
         llm = self.model(lookup_tokens)
         eos = set(self.engine.stop_token_ids)
         sampling = dict(temp=0.0, top_k=1) if temperature <= 0 else dict(temp=temperature, top_k=0)
@@ -193,8 +219,9 @@ class LlamaCppRunner:
             if token in eos or len(new) >= max_new_tokens:
                 break
         elapsed = time.perf_counter() - t0
-        return _finish(self.engine, ids, new, elapsed, "llamacpp-lookup" if lookup_tokens else "llamacpp",
-                       lookup_tokens + 1)
+        return _finish(
+            self.engine, ids, new, elapsed, "llamacpp-lookup" if lookup_tokens else "llamacpp", lookup_tokens + 1
+        )
 
 
 SERVER_PEERS = ("llamacpp-server", "llamacpp-server-q4_1", "llamacpp-dflash")
@@ -222,17 +249,21 @@ class LlamaServerRunner:
         if srv is None:
             drafter = None
             if draft_max:
-                drafter = drafter_gguf(self.engine.drafter_for("dflash").folder, self.path, self.draft_type,
-                                       self.full_vocab)
+                drafter = drafter_gguf(
+                    self.engine.drafter_for("dflash").folder, self.path, self.draft_type, self.full_vocab
+                )
             srv = self._servers[draft_max] = LlamaServer(self.path, drafter=drafter, draft_max=draft_max or None)
         return srv
 
-    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-                 draft_max: int = 0) -> Generation:
+    def generate(
+        self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, draft_max: int = 0
+    ) -> Generation:
         new, lengths, timings, seconds = self.server(draft_max).complete(
-            ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        out = _finish(self.engine, ids, new, seconds, "llamacpp-dflash" if draft_max else "llamacpp-server",
-                      draft_max + 1)
+            ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+        )
+        out = _finish(
+            self.engine, ids, new, seconds, "llamacpp-dflash" if draft_max else "llamacpp-server", draft_max + 1
+        )
         if draft_max:
             out.acceptance_lengths = lengths
             out.tau = sum(lengths) / len(lengths) if lengths else 0.0

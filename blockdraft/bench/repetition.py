@@ -19,7 +19,7 @@ def repeated_mask(ids: list[int], n: int = REPEAT_NGRAM) -> list[bool]:
     """For each token of an answer: do the `n` tokens ending at it occur earlier in it?"""
     seen, mask = set(), []
     for i in range(len(ids)):
-        gram = tuple(ids[i + 1 - n: i + 1]) if i + 1 >= n else None
+        gram = tuple(ids[i + 1 - n : i + 1]) if i + 1 >= n else None
         mask.append(gram is not None and gram in seen)
         if gram is not None:
             seen.add(gram)
@@ -37,7 +37,7 @@ def _steps_outside(mask: list[bool], lengths: list[int]) -> list[int]:
     """`steps_outside_repeats` from an answer's `repeated_mask`."""
     kept, start = [], 1
     for a in lengths:
-        if not any(mask[start: start + a]):
+        if not any(mask[start : start + a]):
             kept.append(a)
         start += a
     return kept
@@ -52,9 +52,12 @@ def repetition_stats(outputs: list[tuple[list[int], list[int]]], n: int = REPEAT
     repeated = sum(sum(mask) for mask in masks)
     steps = sum(len(lengths) for _, lengths in outputs)
     fresh = [a for mask, (_, lengths) in zip(masks, outputs, strict=False) for a in _steps_outside(mask, lengths)]
-    return {"ngram": n, "repeated_share": repeated / tokens if tokens else 0.0,
-            "tau_outside_repeats": sum(fresh) / len(fresh) if fresh else None,
-            "steps_outside_repeats_share": len(fresh) / steps if steps else None}
+    return {
+        "ngram": n,
+        "repeated_share": repeated / tokens if tokens else 0.0,
+        "tau_outside_repeats": sum(fresh) / len(fresh) if fresh else None,
+        "steps_outside_repeats_share": len(fresh) / steps if steps else None,
+    }
 
 
 def table(results_dir: str, n: int = REPEAT_NGRAM) -> str:
@@ -64,20 +67,29 @@ def table(results_dir: str, n: int = REPEAT_NGRAM) -> str:
     import json
     from pathlib import Path
 
-    lines = [f"| dataset | method | output tokens | repeated (runs of {n}) | τ | τ outside repeats "
-             "| steps outside repeats |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| dataset | method | output tokens | repeated (runs of {n}) | τ | τ outside repeats "
+        "| steps outside repeats |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for path in sorted(Path(results_dir).glob("*/results.json")):
         rep = json.loads(path.read_text())
         for name, r in rep["methods"].items():
-            outputs = [(ids, lengths) for q in r["prompts"]
-                       for ids, lengths in zip(q["token_ids"],
-                                               q.get("acceptance_lengths") or [[]] * len(q["token_ids"]), strict=False)]
+            outputs = [
+                (ids, lengths)
+                for q in r["prompts"]
+                for ids, lengths in zip(
+                    q["token_ids"], q.get("acceptance_lengths") or [[]] * len(q["token_ids"]), strict=False
+                )
+            ]
             x = repetition_stats(outputs, n)
             tau = "-" if r.get("tau") is None else f"{r['tau']:.2f}"
             outside = "-" if x["tau_outside_repeats"] is None else f"{x['tau_outside_repeats']:.2f}"
             steps = "-" if x["tau_outside_repeats"] is None else f"{100 * x['steps_outside_repeats_share']:.0f}%"
-            lines.append(f"| {rep['dataset']} | {name} | {sum(len(i) for i, _ in outputs)} | "
-                         f"{100 * x['repeated_share']:.1f}% | {tau} | {outside} | {steps} |")
+            lines.append(
+                f"| {rep['dataset']} | {name} | {sum(len(i) for i, _ in outputs)} | "
+                f"{100 * x['repeated_share']:.1f}% | {tau} | {outside} | {steps} |"
+            )
     return "\n".join(lines)
 
 

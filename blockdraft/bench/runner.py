@@ -44,8 +44,9 @@ DATASETS = {
 }
 
 
-def load_prompts(dataset: str | None, prompts_file: str | None, max_samples: int | None,
-                 first_turn_only: bool = False) -> list[dict]:
+def load_prompts(
+    dataset: str | None, prompts_file: str | None, max_samples: int | None, first_turn_only: bool = False
+) -> list[dict]:
     if prompts_file:
         records = load_prompt_file(prompts_file)
     elif dataset in DATASETS:
@@ -77,16 +78,15 @@ def parse_method(name: str, engine, window: int | str | None = "auto") -> Method
     else:
         size = SpecConfig(spec.name, block, window=window).build(engine).block
         config = SpecConfig(spec.name, size if spec.speculative else None, window=window)
-    return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer,
-                  spec=config)
+    return Method(name, spec.name, size, speculative=spec.speculative and not spec.peer, peer=spec.peer, spec=config)
 
 
 def _generate(engine, peers: Peers, m: Method, ids, max_new_tokens, temperature, seed, grammar=None) -> Generation:
     if m.peer:
-        return peers.generate(m.kind, m.block, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed)
-    return engine.generate(ids, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                           grammar=grammar)
+        return peers.generate(m.kind, m.block, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return engine.generate(
+        ids, method=m.spec, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, grammar=grammar
+    )
 
 
 def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[float]]:
@@ -104,10 +104,21 @@ def acceptance_stats(lengths: list[int], block: int) -> tuple[list[float], list[
     return [h / total for h in hist], positions.rates()
 
 
-def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens: int = 256,
-              temperature: float = 0.0, seed: int = 0, warmup: bool = True, repeats: int = 1,
-              gguf: str | None = None, llamacpp_draft: tuple[str, bool] = ("F16", False),
-              window: int | str | None = "auto", grammar=None) -> dict:
+def run_bench(
+    engine,
+    records: list[dict],
+    methods: list[str],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    warmup: bool = True,
+    repeats: int = 1,
+    gguf: str | None = None,
+    llamacpp_draft: tuple[str, bool] = ("F16", False),
+    window: int | str | None = "auto",
+    grammar=None,
+) -> dict:
     """`grammar`: a `GrammarSpec` every answer follows (structured output; our methods only)."""
     parsed = [parse_method(m, engine, window) for m in methods]
     if grammar is not None and any(m.peer for m in parsed):
@@ -121,8 +132,9 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             for m in parsed:
                 _generate(engine, peers, m, ids, 4, temperature, seed, grammar)
         keys = ("tokens", "seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "grammar_seconds", "steps")
-        per = {m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}}
-               for m in parsed}
+        per = {
+            m.name: {"prompts": {}, "acceptance_lengths": [], "repeat_tps": [], **{k: 0 for k in keys}} for m in parsed
+        }
         bar = tqdm(total=len(records) * repeats, desc="bench", unit="prompt", dynamic_ncols=True)
         for rep in range(repeats):
             rep_tokens = {m.name: [0, 0.0] for m in parsed}
@@ -131,8 +143,9 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                     messages, outs = [], []
                     for turn in rec["turns"]:
                         messages.append({"role": "user", "content": turn})
-                        out = _generate(engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature,
-                                        seed, grammar)
+                        out = _generate(
+                            engine, peers, m, engine.encode_chat(messages), max_new_tokens, temperature, seed, grammar
+                        )
                         messages.append({"role": "assistant", "content": out.text})
                         outs.append(out)
                         p = per[m.name]
@@ -147,9 +160,16 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
                         p["steps"] += out.steps
                         rep_tokens[m.name][0] += out.num_output_tokens
                         rep_tokens[m.name][1] += out.decode_seconds
-                    entry = per[m.name]["prompts"].setdefault(rec["id"], {
-                        "id": rec["id"], "token_ids": [o.token_ids for o in outs], "tokens_per_second": [],
-                        "tau": [o.tau for o in outs], "acceptance_lengths": [o.acceptance_lengths for o in outs]})
+                    entry = per[m.name]["prompts"].setdefault(
+                        rec["id"],
+                        {
+                            "id": rec["id"],
+                            "token_ids": [o.token_ids for o in outs],
+                            "tokens_per_second": [],
+                            "tau": [o.tau for o in outs],
+                            "acceptance_lengths": [o.acceptance_lengths for o in outs],
+                        },
+                    )
                     entry["tokens_per_second"].append([o.tokens_per_second for o in outs])
                 bar.update(1)
             for name, (tokens, seconds) in rep_tokens.items():
@@ -166,8 +186,9 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
         tps = [statistics.median(x) for q in p["prompts"].values() for x in zip(*q["tokens_per_second"], strict=False)]
         steps = max(1, p["steps"])
         results[m.name] = {
-            "tau": (sum(lengths) / len(lengths) if lengths
-                    else (1.0 if not registry.METHODS[m.kind].speculative else None)),
+            "tau": (
+                sum(lengths) / len(lengths) if lengths else (1.0 if not registry.METHODS[m.kind].speculative else None)
+            ),
             "acceptance_histogram": hist,
             "per_position_acceptance": rates,
             "tokens_per_second": p["tokens"] / p["seconds"] if p["seconds"] else 0.0,
@@ -181,14 +202,22 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
             "verify_seconds": p["verify_seconds"],
             "grammar_seconds": p["grammar_seconds"],  # within draft + verify: structured output's share
             "other_seconds": max(0.0, p["seconds"] - p["prefill_seconds"] - p["draft_seconds"] - p["verify_seconds"])
-            if p["steps"] else None,
+            if p["steps"]
+            else None,
             "seconds_per_step": {"draft": p["draft_seconds"] / steps, "verify": p["verify_seconds"] / steps}
-            if p["steps"] and not m.peer else None,
+            if p["steps"] and not m.peer
+            else None,
             # peers: decode time after the prefill, per verify step (speculative) or per token (plain)
             "decode_seconds_per_step": (p["seconds"] - p["prefill_seconds"]) / (p["steps"] or max(1, p["tokens"]))
-            if m.peer else None,
-            "repetition": repetition_stats([pair for q in p["prompts"].values()
-                                            for pair in zip(q["token_ids"], q["acceptance_lengths"], strict=False)]),
+            if m.peer
+            else None,
+            "repetition": repetition_stats(
+                [
+                    pair
+                    for q in p["prompts"].values()
+                    for pair in zip(q["token_ids"], q["acceptance_lengths"], strict=False)
+                ]
+            ),
             "prompts": list(p["prompts"].values()),
         }
     if "ar" in results:
@@ -198,8 +227,9 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
         ar_runs = ar["tokens_per_second_repeats"]
         for r in results.values():
             r["speedup_vs_ar"] = r["tokens_per_second"] / base if base else None
-            r["speedup_vs_ar_repeats"] = [a / b for a, b in zip(r["tokens_per_second_repeats"], ar_runs, strict=False)
-                                          if b]
+            r["speedup_vs_ar_repeats"] = [
+                a / b for a, b in zip(r["tokens_per_second_repeats"], ar_runs, strict=False) if b
+            ]
             sps = r["seconds_per_step"]
             if sps and r["tau"]:  # the loop's own limit: tau * t_step / (t_draft + t_verify)
                 r["speedup_bound"] = r["tau"] * t_step / (sps["draft"] + sps["verify"])
@@ -213,8 +243,16 @@ def run_bench(engine, records: list[dict], methods: list[str], *, max_new_tokens
     return results
 
 
-def distribution_check(engine, methods: list[str], records: list[dict], *, samples: int = 400,
-                       positions: int = 3, temperature: float = 1.0, window: int | str | None = "auto") -> dict:
+def distribution_check(
+    engine,
+    methods: list[str],
+    records: list[dict],
+    *,
+    samples: int = 400,
+    positions: int = 3,
+    temperature: float = 1.0,
+    window: int | str | None = "auto",
+) -> dict:
     """At temperature > 0 the output distribution must stay the target's: the tokens at the
     first `positions` positions of `samples` seeded runs of each method are compared with
     `ar` run on other seeds (two-sample chi-square, 0.1% level). The prompt is the shortest
@@ -224,8 +262,10 @@ def distribution_check(engine, methods: list[str], records: list[dict], *, sampl
 
     def counts(method: Method, seed0: int):
         outs = _generate_many(engine, method, ids, samples, positions, temperature, seed0)
-        return [{t: sum(1 for o in outs if len(o) > k and o[k] == t) for t in {o[k] for o in outs if len(o) > k}}
-                for k in range(positions)]
+        return [
+            {t: sum(1 for o in outs if len(o) > k and o[k] == t) for t in {o[k] for o in outs if len(o) > k}}
+            for k in range(positions)
+        ]
 
     base = counts(parse_method("ar", engine, window), 0)
     report = {}
@@ -233,12 +273,19 @@ def distribution_check(engine, methods: list[str], records: list[dict], *, sampl
         m = parse_method(name, engine, window)
         if not m.speculative:
             continue
-        other = counts(m, 10 ** 6)
+        other = counts(m, 10**6)
         checks = []
         for k in range(positions):
             stat, critical, df = chi2_homogeneity(base[k], other[k])
-            checks.append({"position": k + 1, "chi2": stat, "critical_0.001": critical, "df": df,
-                           "same_distribution": stat < critical})
+            checks.append(
+                {
+                    "position": k + 1,
+                    "chi2": stat,
+                    "critical_0.001": critical,
+                    "df": df,
+                    "same_distribution": stat < critical,
+                }
+            )
         report[name] = checks
     return report
 
@@ -247,24 +294,50 @@ def _generate_many(engine, m: Method, ids, n, max_new_tokens, temperature, seed0
     outs = []
     for start in range(0, n, 100):
         rows = min(100, n - start)
-        gens = engine.generate([list(ids)] * rows, method=m.spec, max_new_tokens=max_new_tokens,
-                               temperature=temperature, seed=seed0 + start, shared_prefix=list(ids[:-1]))
+        gens = engine.generate(
+            [list(ids)] * rows,
+            method=m.spec,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed0 + start,
+            shared_prefix=list(ids[:-1]),
+        )
         outs += [g.token_ids for g in gens]
     return outs
 
 
 def machine_info(engine) -> dict:
-    return {"platform": platform.platform(), "processor": cpu_name(),
-            "threads": torch.get_num_threads(), "device": str(engine.target.device),
-            "dtype": str(engine.target.dtype), "weights": engine.weights,
-            **{k: v for k, v in engine.precision().items() if k != "dtype"},
-            "draft_weights": engine.draft_weights, "torch": torch.__version__}
+    return {
+        "platform": platform.platform(),
+        "processor": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "device": str(engine.target.device),
+        "dtype": str(engine.target.dtype),
+        "weights": engine.weights,
+        **{k: v for k, v in engine.precision().items() if k != "dtype"},
+        "draft_weights": engine.draft_weights,
+        "torch": torch.__version__,
+    }
 
 
-def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_new_tokens, temperature, out,
-                  first_turn_only=False, repeats=1, check_distribution=0, gguf=None,
-                  llamacpp_draft: tuple[str, bool] = ("F16", False), window: int | str | None = "auto",
-                  grammar=None) -> dict:
+def bench_command(
+    engine,
+    *,
+    dataset,
+    prompts_file,
+    methods,
+    max_samples,
+    max_new_tokens,
+    temperature,
+    out,
+    first_turn_only=False,
+    repeats=1,
+    check_distribution=0,
+    gguf=None,
+    llamacpp_draft: tuple[str, bool] = ("F16", False),
+    window: int | str | None = "auto",
+    grammar=None,
+) -> dict:
     """Run every dataset (comma-separated names) and write results.json (one dataset) or
     DATASET/results.json (several), plus report.md and plots, into `out`. `window`: the DFlash
     methods' draft window (`SpecConfig.window`)."""
@@ -273,12 +346,29 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
     for name in names:
         records = load_prompts(None if prompts_file else name, prompts_file, max_samples, first_turn_only)
         t0 = time.time()
-        results = run_bench(engine, records, methods, max_new_tokens=max_new_tokens, temperature=temperature,
-                            repeats=repeats, gguf=gguf, llamacpp_draft=llamacpp_draft, window=window,
-                            grammar=grammar)
-        report = {"dataset": name, "num_prompts": len(records), "max_new_tokens": max_new_tokens,
-                  "temperature": temperature, "first_turn_only": first_turn_only, "repeats": repeats,
-                  "draft_window": window, "methods": results, "machine": machine_info(engine)}
+        results = run_bench(
+            engine,
+            records,
+            methods,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            repeats=repeats,
+            gguf=gguf,
+            llamacpp_draft=llamacpp_draft,
+            window=window,
+            grammar=grammar,
+        )
+        report = {
+            "dataset": name,
+            "num_prompts": len(records),
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "first_turn_only": first_turn_only,
+            "repeats": repeats,
+            "draft_window": window,
+            "methods": results,
+            "machine": machine_info(engine),
+        }
         if grammar is not None:
             report["grammar"] = {"kind": grammar.kind, "source": grammar.source}
         if any(registry.parse(m, include_peers=True)[0].name.startswith("llamacpp") for m in methods):
@@ -293,11 +383,15 @@ def bench_command(engine, *, dataset, prompts_file, methods, max_samples, max_ne
         if any(registry.parse(m, include_peers=True)[0].name in SERVER_PEERS for m in methods):
             from .llama_server import describe, find_llama_server
 
-            report["llama_server"] = {**describe(find_llama_server()), "draft_type": llamacpp_draft[0],
-                                      "draft_vocab": "full" if llamacpp_draft[1] else "drafter's"}
+            report["llama_server"] = {
+                **describe(find_llama_server()),
+                "draft_type": llamacpp_draft[0],
+                "draft_vocab": "full" if llamacpp_draft[1] else "drafter's",
+            }
         if check_distribution:
-            report["distribution_check"] = distribution_check(engine, methods, records, samples=check_distribution,
-                                                              temperature=temperature or 1.0, window=window)
+            report["distribution_check"] = distribution_check(
+                engine, methods, records, samples=check_distribution, temperature=temperature or 1.0, window=window
+            )
         report["wall_seconds"] = time.time() - t0
         reports[Path(name).stem if prompts_file else name] = report
         if out:

@@ -14,18 +14,30 @@ def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
     p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3; default: the shipped one)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "q4_1"], default="auto",
-                   help="auto (default): bf16 on CUDA; on a CPU bf16 where its products measure faster than fp32's "
-                        "(AMX, AVX512-BF16), else fp32; q4_1: the target's linear layers from 4-bit weights "
-                        "(CPU; the default target's GGUF values)")
-    p.add_argument("--draft-window", type=int, metavar="W",
-                   help="DFlash methods: the drafter sees only the last W committed tokens (flat draft cost on "
-                        "long contexts; default: the longest context the drafter was trained on when its config "
-                        "records it, else the whole context; 0: the whole context)")
-    p.add_argument("--draft-weights", choices=["auto", "float", "int8"], default="auto",
-                   help="drafters' linear layers: int8 copies of their weights (CPU: a draft pass reads 4x "
-                        "fewer bytes; the output is the target's either way), float (the target's dtype), or "
-                        "auto (default: int8 for fp32 drafters on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16", "q4_1"],
+        default="auto",
+        help="auto (default): bf16 on CUDA; on a CPU bf16 where its products measure faster than fp32's "
+        "(AMX, AVX512-BF16), else fp32; q4_1: the target's linear layers from 4-bit weights "
+        "(CPU; the default target's GGUF values)",
+    )
+    p.add_argument(
+        "--draft-window",
+        type=int,
+        metavar="W",
+        help="DFlash methods: the drafter sees only the last W committed tokens (flat draft cost on "
+        "long contexts; default: the longest context the drafter was trained on when its config "
+        "records it, else the whole context; 0: the whole context)",
+    )
+    p.add_argument(
+        "--draft-weights",
+        choices=["auto", "float", "int8"],
+        default="auto",
+        help="drafters' linear layers: int8 copies of their weights (CPU: a draft pass reads 4x "
+        "fewer bytes; the output is the target's either way), float (the target's dtype), or "
+        "auto (default: int8 for fp32 drafters on CPU)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser):
@@ -37,8 +49,9 @@ def add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--block-size", type=int, help="verified block length (default: the drafter's trained size)")
-    p.add_argument("--tree-budget", type=int, metavar="N",
-                   help="method dflash-tree: draft tokens (tree nodes) verified per step")
+    p.add_argument(
+        "--tree-budget", type=int, metavar="N", help="method dflash-tree: draft tokens (tree nodes) verified per step"
+    )
 
 
 def load_engine(args, method_names: list[str]):
@@ -51,9 +64,15 @@ def load_engine(args, method_names: list[str]):
 
     specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
     dtype = args.dtype if args.dtype in ("q4_1", "auto", None) else getattr(torch, args.dtype)
-    engine = Engine.load(args.target, args.draft, device=args.device, dtype=dtype,
-                       use_draft=any(s.drafter == drafters.PRIMARY for s in specs), eagle=args.eagle,
-                       draft_weights=args.draft_weights)
+    engine = Engine.load(
+        args.target,
+        args.draft,
+        device=args.device,
+        dtype=dtype,
+        use_draft=any(s.drafter == drafters.PRIMARY for s in specs),
+        eagle=args.eagle,
+        draft_weights=args.draft_weights,
+    )
     if "note:" in engine.dtype_reason:
         print(f"blockdraft: {engine.weights} {engine.dtype_reason}", file=sys.stderr)
     return engine
@@ -71,8 +90,15 @@ def spec_from(args, **kw):
 
 
 def sampling_kwargs(args) -> dict:
-    return dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    return dict(
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
 
 
 def tree_budget(args):

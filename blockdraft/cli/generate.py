@@ -15,8 +15,16 @@ def grammar_from(args):
     from ..errors import BlockdraftError
     from ..grammar import GrammarSpec
 
-    given = [(k, v) for k, v in (("json_schema", args.json_schema), ("regex", args.regex), ("choice", args.choice),
-                                  ("lark", args.grammar)) if v is not None]
+    given = [
+        (k, v)
+        for k, v in (
+            ("json_schema", args.json_schema),
+            ("regex", args.regex),
+            ("choice", args.choice),
+            ("lark", args.grammar),
+        )
+        if v is not None
+    ]
     if getattr(args, "json_object", False):
         given.append(("json_object", None))
     if len(given) > 1:
@@ -55,12 +63,15 @@ def cmd_generate(args) -> int:
         out = engine.generate(args.prompt, method=spec, **kwargs)
         print(json.dumps({**out.to_dict(), **engine.precision()}))
         return 0
-    out = engine.generate(args.prompt, method=spec,
-                          on_text=lambda _i, piece: print(piece, end="", flush=True), **kwargs)
+    out = engine.generate(
+        args.prompt, method=spec, on_text=lambda _i, piece: print(piece, end="", flush=True), **kwargs
+    )
     print()
-    print(f"[{out.method}, {engine.weights}] {out.num_output_tokens} tokens in {out.decode_seconds:.2f} s "
-          f"({out.tokens_per_second:.1f} tok/s), tau {out.tau:.2f}, finish: {out.finish_reason}",
-          file=sys.stderr)
+    print(
+        f"[{out.method}, {engine.weights}] {out.num_output_tokens} tokens in {out.decode_seconds:.2f} s "
+        f"({out.tokens_per_second:.1f} tok/s), tau {out.tau:.2f}, finish: {out.finish_reason}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -73,8 +84,11 @@ def cmd_demo(args) -> int:
     if engine.drafter is None:
         import torch
 
-        print(f"note: {engine.draft_note}.\n      The demo uses an UNTRAINED (random) drafter: the output is "
-              "still exactly the target's, but tau is ~1 and there is no speedup.\n", file=sys.stderr)
+        print(
+            f"note: {engine.draft_note}.\n      The demo uses an UNTRAINED (random) drafter: the output is "
+            "still exactly the target's, but tau is ~1 and there is no speedup.\n",
+            file=sys.stderr,
+        )
         torch.manual_seed(0)
         cfg = DraftConfig.for_target(engine.target.config, mask_token_id=DEFAULT_MASK_TOKEN_ID)
         engine.drafter = DFlashDrafter(cfg).to(engine.target.device, engine.target.dtype).eval()
@@ -84,12 +98,18 @@ def cmd_demo(args) -> int:
     ar = engine.generate(args.prompt, method="ar", **kwargs)
     runs = [engine.generate(args.prompt, method=m, **kwargs) for m in ("dflash", "dflash-cut")]
     for out in (ar, *runs):
-        print(f"=== {out.method}: {out.num_output_tokens} tokens, {out.tokens_per_second:.1f} tok/s, "
-              f"tau {out.tau:.2f} ===")
+        print(
+            f"=== {out.method}: {out.num_output_tokens} tokens, {out.tokens_per_second:.1f} tok/s, "
+            f"tau {out.tau:.2f} ==="
+        )
         print(out.text.strip() + "\n")
     same = all(out.token_ids == ar.token_ids for out in runs)
-    print("outputs: " + ("identical" if same else "DIFFERENT (a bug: please report it)") + "; speedup over ar: "
-          + ", ".join(f"{out.method} {out.tokens_per_second / ar.tokens_per_second:.2f}x" for out in runs))
+    print(
+        "outputs: "
+        + ("identical" if same else "DIFFERENT (a bug: please report it)")
+        + "; speedup over ar: "
+        + ", ".join(f"{out.method} {out.tokens_per_second / ar.tokens_per_second:.2f}x" for out in runs)
+    )
     return 0
 
 

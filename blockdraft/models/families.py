@@ -48,11 +48,23 @@ def window_if_used(raw: dict) -> dict:
 def qwen3_5_fields(raw: dict) -> dict:
     """Qwen3.5's hybrid layout: which layers are linear attention (Gated DeltaNet), their shape,
     and the partial rotary embedding of its full-attention layers."""
-    out = {k: raw[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                               "linear_value_head_dim", "linear_conv_kernel_dim")}
+    out = {
+        k: raw[k]
+        for k in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        )
+    }
     interval = raw.get("full_attention_interval", 4)  # HF's default layout: every 4th layer is full
-    out["layer_types"] = list(raw.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(raw["num_hidden_layers"])])
+    out["layer_types"] = list(
+        raw.get("layer_types")
+        or [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(raw["num_hidden_layers"])
+        ]
+    )
     rope = raw.get("rope_parameters") or {}
     out["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
     return out

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import BlockdraftError
 from .default import DEFAULT_TARGET_NAME, cache_home, gguf_path
 
+
 def _gguf():
     try:
         import gguf

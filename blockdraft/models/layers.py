@@ -167,8 +167,9 @@ def chunked_mask(mask: torch.Tensor, heads_per_kv: int) -> torch.Tensor:
     return torch.zeros(grouped.shape, dtype=torch.float32, device=mask.device).masked_fill_(~grouped, float("-inf"))
 
 
-def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor,
-                   chunk: int) -> torch.Tensor:
+def attend_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """Attention whose result for a query does not depend on the other queries of the call
     nor on how many masked key slots follow its own: bit for bit, a token verified in a block
     gets what it got decoded alone. q [B,H,T,D]; k/v [B,KV,S,D] with S a multiple of `chunk`;
@@ -190,15 +191,16 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: 
     g = h // kv
     rows = g * t
     scores = torch.matmul(_at_least_rows(q.reshape(b, kv, rows, d)), k.transpose(-1, -2))[..., :rows, :]
-    p = torch.softmax(scores * (d ** -0.5) + additive, dim=-1)
+    p = torch.softmax(scores * (d**-0.5) + additive, dim=-1)
     n = s // chunk
     probs = _at_least_rows(p.view(b, kv, rows, n, chunk).transpose(2, 3))
     out = torch.matmul(probs, v.view(b, kv, n, chunk, d))[..., :rows, :].sum(2)
     return out.view(b, h, t, d)
 
 
-def gathered_keys(visible: torch.Tensor, first: torch.Tensor, chunk: int,
-                  heads_per_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_keys(
+    visible: torch.Tensor, first: torch.Tensor, chunk: int, heads_per_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For `attend_gathered`: visible [B, T, S] bool (which cache slots each query sees), first
     [B] each row's first tree slot (its committed length) -> (each query's slots in the order of
     its own sequence: every context slot, then the tree slots it sees, padded to whole chunks
@@ -211,13 +213,15 @@ def gathered_keys(visible: torch.Tensor, first: torch.Tensor, chunk: int,
     if n > s:
         order = torch.cat([order, order[..., :1].expand(b, t, n - s)], -1)
     order = order[..., :n]
-    valid = visible.gather(2, order.clamp(max=s - 1)) & (torch.arange(n, device=visible.device)
-                                                           < keep.sum(-1, keepdim=True))
+    valid = visible.gather(2, order.clamp(max=s - 1)) & (
+        torch.arange(n, device=visible.device) < keep.sum(-1, keepdim=True)
+    )
     return order, chunked_mask(valid.reshape(b * t, 1, 1, n), heads_per_kv)
 
 
-def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor, additive: torch.Tensor,
-                    chunk: int) -> torch.Tensor:
+def attend_gathered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor, additive: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """`attend_chunked` for queries that see scattered cache slots (the nodes of a token tree):
     each query's keys and values are first gathered into the order of its own sequence (the
     committed context, then its ancestors, then itself), so it meets them exactly as it would
@@ -255,8 +259,13 @@ def chunked_attention_is_exact(heads: int, kv_heads: int, head_dim: int, chunk: 
         together = attend_chunked(q, k, v, chunked_mask(mask, heads // kv_heads), chunk)
         for j in range(block):
             n = -(-(start + j + 1) // chunk) * chunk
-            alone = attend_chunked(q[:, :, j:j + 1], k[:, :, :n], v[:, :, :n],
-                                   chunked_mask(mask[:, :, j:j + 1, :n], heads // kv_heads), chunk)
-            if not torch.equal(alone, together[:, :, j:j + 1]):
+            alone = attend_chunked(
+                q[:, :, j : j + 1],
+                k[:, :, :n],
+                v[:, :, :n],
+                chunked_mask(mask[:, :, j : j + 1, :n], heads // kv_heads),
+                chunk,
+            )
+            if not torch.equal(alone, together[:, :, j : j + 1]):
                 return False
     return True

@@ -14,6 +14,7 @@ from .layers import Rotary
 from .families import FAMILIES
 from .transformer import Transformer
 
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -51,8 +52,10 @@ def load_target(folder: str | Path, device=None, dtype: torch.dtype | None = Non
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(expected - weights.keys())
     if missing:
-        raise BlockdraftError(f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
-                              + (" ..." if len(missing) > 5 else ""))
+        raise BlockdraftError(
+            f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
     model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -62,16 +62,28 @@ def module():
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not any(folder.glob("*.so"))
     if fresh:
-        print("blockdraft: building the native bf16 product kernel (once per machine, about a minute)...",
-              file=sys.stderr, flush=True)
+        print(
+            "blockdraft: building the native bf16 product kernel (once per machine, about a minute)...",
+            file=sys.stderr,
+            flush=True,
+        )
     t0 = time.perf_counter()
     try:
-        mod = cpp_extension.load(name=f"blockdraft_native_{tag}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        mod = cpp_extension.load(
+            name=f"blockdraft_native_{tag}",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
     except Exception as exc:  # a compiler or toolchain problem: the other kernels still run
-        warnings.warn("the native bf16 kernel did not build "
-                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                      "using torch's kernels", stacklevel=2)
+        warnings.warn(
+            "the native bf16 kernel did not build "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "using torch's kernels",
+            stacklevel=2,
+        )
         return None
     if fresh:
         print(f"blockdraft: native kernel built in {time.perf_counter() - t0:.0f} s ({folder})", file=sys.stderr)

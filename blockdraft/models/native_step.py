@@ -72,16 +72,26 @@ class NativeStep:
             out = []
             for layer in self.model.model.layers:
                 a, m = layer.self_attn, layer.mlp
-                out += [t(layer.input_layernorm.weight), native.pack(a.qkv_proj.weight), t(a.qkv_proj.bias),
-                        t(a.q_norm.weight if a.q_norm is not None else None),
-                        t(a.k_norm.weight if a.k_norm is not None else None), native.pack(a.o_proj.weight),
-                        t(a.o_proj.bias), t(layer.post_attention_layernorm.weight), native.pack(m.gate_up_proj.weight),
-                        t(m.gate_up_proj.bias), native.pack(m.down_proj.weight), t(m.down_proj.bias)]
+                out += [
+                    t(layer.input_layernorm.weight),
+                    native.pack(a.qkv_proj.weight),
+                    t(a.qkv_proj.bias),
+                    t(a.q_norm.weight if a.q_norm is not None else None),
+                    t(a.k_norm.weight if a.k_norm is not None else None),
+                    native.pack(a.o_proj.weight),
+                    t(a.o_proj.bias),
+                    t(layer.post_attention_layernorm.weight),
+                    native.pack(m.gate_up_proj.weight),
+                    t(m.gate_up_proj.bias),
+                    native.pack(m.down_proj.weight),
+                    t(m.down_proj.bias),
+                ]
             self._weights = out
         return self._weights
 
-    def __call__(self, tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(),
-                 features_only=False):
+    def __call__(
+        self, tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(), features_only=False
+    ):
         model, cfg = self.model, self.model.config
         if rows.step not in (None, 1):
             raise ValueError("rows must be a contiguous range")
@@ -93,10 +103,27 @@ class NativeStep:
             visible, window = mask[:, 0], 0
         last = max(capture) if features_only and capture else cfg.num_hidden_layers - 1
         hidden, features = native.module().llama_forward(
-            x, positions, slots, visible, window, cache.k, cache.v, rows.start or 0, model.rotary.cos,
-            model.rotary.sin, self.weights(), model.model.norm.weight.detach(), list(capture), last,
-            not features_only, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size)
+            x,
+            positions,
+            slots,
+            visible,
+            window,
+            cache.k,
+            cache.v,
+            rows.start or 0,
+            model.rotary.cos,
+            model.rotary.sin,
+            self.weights(),
+            model.model.norm.weight.detach(),
+            list(capture),
+            last,
+            not features_only,
+            cfg.rms_norm_eps,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
         return (None if features_only else hidden), (features if capture else None)
 
 
@@ -107,7 +134,7 @@ def row_independent(model, step: NativeStep, tokens: int = 7) -> bool:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen)
     capture = (0, model.config.num_hidden_layers - 1)
     alone = model.new_cache(1, tokens + 2)
-    one = [step(ids[:, i:i + 1], torch.tensor([[i]]), alone, capture=capture) for i in range(tokens)]
+    one = [step(ids[:, i : i + 1], torch.tensor([[i]]), alone, capture=capture) for i in range(tokens)]
     hidden_alone = torch.cat([h for h, _ in one], 1)
     features_alone = torch.cat([f for _, f in one], 1)
     block = model.new_cache(1, tokens + 2)

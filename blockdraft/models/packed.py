@@ -56,15 +56,19 @@ def mkl_packing_available() -> bool:
 def onednn_available() -> bool:
     """True when this torch build has oneDNN's reordered-weight linear (CPU builds with mkldnn)."""
     try:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
     except (AttributeError, RuntimeError):
         return False
 
 
 def available_kernels() -> tuple[str, ...]:
-    return tuple(k for k, ok in (("plain", True), ("mkl", mkl_packing_available()),
-                                 ("onednn", onednn_available())) if ok)
+    return tuple(
+        k for k, ok in (("plain", True), ("mkl", mkl_packing_available()), ("onednn", onednn_available())) if ok
+    )
 
 
 def packing_available() -> bool:
@@ -178,9 +182,14 @@ class WeightPacks:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, through the bucket's kernel when the row count allows."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if (not self.min_rows <= rows <= self.sizes[-1] or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not weight.is_contiguous()
-                or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        if (
+            not self.min_rows <= rows <= self.sizes[-1]
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or not weight.is_contiguous()
+            or torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad)
+        ):
             return F.linear(x, weight, bias)
         size = next(s for s in self.sizes if s >= rows)
         kernel, pack = self._packed(weight, bias, size)
@@ -225,8 +234,9 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose small row counts go through the kernel measured fastest (`WeightPacks`)."""
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
-             kernel: str | None = None) -> PackedLinear:
+    def wrap(
+        cls, linear: nn.Linear, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS, kernel: str | None = None
+    ) -> PackedLinear:
         new = _linear_sharing(cls, linear)
         new.packs = WeightPacks(sizes, min_rows, kernel)
         return new
@@ -235,8 +245,9 @@ class PackedLinear(nn.Linear):
         return self.packs.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS,
-                 kernel: str | None = None) -> int:
+def pack_linears(
+    model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_MIN_ROWS, kernel: str | None = None
+) -> int:
     """Swap the fp32 CPU `nn.Linear`s of `model` for `PackedLinear`s; returns how many.
     `kernel` forces one kernel (`KERNELS`) instead of the fastest measured. (A drafter's product
     with its rows of the target's LM head is outside any `nn.Linear`: `draft_head.pack_drafter`.)
@@ -246,8 +257,7 @@ def pack_linears(model: nn.Module, sizes=DEFAULT_SIZES, min_rows: int = DEFAULT_
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.dtype == torch.float32
-                    and child.weight.device.type == "cpu"):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(parent, name, PackedLinear.wrap(child, sizes, min_rows, kernel))
                 swapped += 1
     return swapped

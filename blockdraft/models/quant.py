@@ -60,8 +60,9 @@ class Int4Linear(nn.Module):
         if k % GROUP or n % 16:
             raise BlockdraftError(f"int4 weights need rows divisible by 16 and columns by {GROUP}, got {n}x{k}")
         self.in_features, self.out_features = k, n
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), INNER_K_TILES))
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
+        )
         scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # [K/32, N, 2]
         self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", bias)
@@ -166,6 +167,7 @@ class Q8Embedding(nn.Module):
 
 # ---- reading the GGUF's blocks -------------------------------------------------------------
 
+
 def q4_1_blocks(raw: np.ndarray, rows: int, cols: int):
     """Raw Q4_1 bytes [rows, cols/32 * 20] -> q [rows, cols] uint8, d and m [rows, cols/32] fp32."""
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, 20)
@@ -213,6 +215,7 @@ def requantize_rows_int8(q: torch.Tensor, d: torch.Tensor):
 
 # ---- swapping a target's layers ------------------------------------------------------------
 
+
 def gguf_tensors(path) -> dict:
     """The GGUF file's tensors by name (`gguf.ReaderTensor`: shape, type, raw data)."""
     import gguf
@@ -237,11 +240,16 @@ def quantize_target(model, gguf_file=None) -> dict:
     tensors = gguf_tensors(gguf_file) if gguf_file else None
     swapped, worst = 0, 0.0
     # our fused linear -> the GGUF tensors it concatenates (with the heads of rope-permuted rows)
-    parts = {("self_attn", "qkv_proj"): [("attn_q", cfg.num_attention_heads), ("attn_k", cfg.num_key_value_heads),
-                                         ("attn_v", None)],
-             ("self_attn", "o_proj"): [("attn_output", None)],
-             ("mlp", "gate_up_proj"): [("ffn_gate", None), ("ffn_up", None)],
-             ("mlp", "down_proj"): [("ffn_down", None)]}
+    parts = {
+        ("self_attn", "qkv_proj"): [
+            ("attn_q", cfg.num_attention_heads),
+            ("attn_k", cfg.num_key_value_heads),
+            ("attn_v", None),
+        ],
+        ("self_attn", "o_proj"): [("attn_output", None)],
+        ("mlp", "gate_up_proj"): [("ffn_gate", None), ("ffn_up", None)],
+        ("mlp", "down_proj"): [("ffn_down", None)],
+    }
     for i, layer in enumerate(model.model.layers):
         for (block, attr), names in parts.items():
             owner = getattr(layer, block)
@@ -286,9 +294,18 @@ def quantize_target(model, gguf_file=None) -> dict:
     model.lm_head = head
     exact = attention_is_exact(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if not exact:
-        warnings.warn(f"q4_1: on this machine attention for {cfg.num_attention_heads} heads of {cfg.head_dim} is not "
-                      "bit-identical between a token decoded alone and verified in a block; speculative "
-                      "decoding may then differ from plain decoding where two tokens nearly tie", stacklevel=2)
-    model.quantization = {"format": "q4_1", "linears": swapped, "source": "gguf" if tensors else "fp32",
-                          "max_linear_error": worst, "max_head_error": head_error, "exact_attention": exact}
+        warnings.warn(
+            f"q4_1: on this machine attention for {cfg.num_attention_heads} heads of {cfg.head_dim} is not "
+            "bit-identical between a token decoded alone and verified in a block; speculative "
+            "decoding may then differ from plain decoding where two tokens nearly tie",
+            stacklevel=2,
+        )
+    model.quantization = {
+        "format": "q4_1",
+        "linears": swapped,
+        "source": "gguf" if tensors else "fp32",
+        "max_linear_error": worst,
+        "max_head_error": head_error,
+        "exact_attention": exact,
+    }
     return model.quantization

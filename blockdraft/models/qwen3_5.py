@@ -54,8 +54,17 @@ class HybridCache:
     copies those at each row's new committed length: rejected drafts are never copied. (Those
     kept states cost T x H x dk x dv fp32 per linear layer and row for a forward of T tokens.)"""
 
-    def __init__(self, kv: KVCache, layers: int, batch: int, conv_dim: int, kernel: int,
-                 state_shape: tuple[int, int, int], dtype, device):
+    def __init__(
+        self,
+        kv: KVCache,
+        layers: int,
+        batch: int,
+        conv_dim: int,
+        kernel: int,
+        state_shape: tuple[int, int, int],
+        dtype,
+        device,
+    ):
         self.kv = kv
         self.conv = torch.zeros(layers, batch, kernel - 1, conv_dim, dtype=dtype, device=device)
         self.state = torch.zeros(layers, batch, *state_shape, dtype=torch.float32, device=device)
@@ -85,8 +94,10 @@ class HybridCache:
         for layer, (inputs, states) in enumerate(self.pending):
             t = inputs.shape[1] - k1
             if states.shape[1] < t and not bool(((kept == 0) | (kept == t)).all()):
-                raise BlockdraftError("a prefill keeps only its final state: prefill rows of different lengths "
-                                      "one at a time, and commit every token of it")
+                raise BlockdraftError(
+                    "a prefill keeps only its final state: prefill rows of different lengths "
+                    "one at a time, and commit every token of it"
+                )
             self.conv[layer, rows] = inputs[arange[:, None], kept[:, None] + torch.arange(k1, device=kept.device)]
             # states[:, i] follows token t - S + i of the forward's t (S = t: every token; S = 1: the last)
             picked = states[arange, (kept - 1 - (t - states.shape[1])).clamp(min=0)]
@@ -111,7 +122,7 @@ def causal_conv(inputs: torch.Tensor, weight: torch.Tensor, t: int) -> torch.Ten
     how many tokens the call has."""
     out = inputs[:, :t] * weight[:, 0]
     for j in range(1, weight.shape[1]):
-        out = out + inputs[:, j:j + t] * weight[:, j]
+        out = out + inputs[:, j : j + t] * weight[:, j]
     return out
 
 
@@ -195,7 +206,7 @@ class GatedDeltaNet(nn.Module):
         inputs = torch.cat([conv, mixed], dim=1)
         q, k, v = F.silu(causal_conv(inputs, self.conv_weight, t)).split(self.sizes, dim=-1)
         group = self.v_heads // self.k_heads
-        q = (l2norm(q.float().view(b, t, self.k_heads, self.k_dim)) * self.k_dim ** -0.5).repeat_interleave(group, 2)
+        q = (l2norm(q.float().view(b, t, self.k_heads, self.k_dim)) * self.k_dim**-0.5).repeat_interleave(group, 2)
         k = l2norm(k.float().view(b, t, self.k_heads, self.k_dim)).repeat_interleave(group, 2)
         v = v.float().view(b, t, self.v_heads, self.v_dim)
         beta = beta.sigmoid().float()
@@ -306,13 +317,28 @@ class Qwen3_5(Transformer):
         """Keys/values of the attention layers for `batch` sequences of `slots` cache slots each,
         and the linear layers' states."""
         cfg = self.config
-        kv = KVCache(cfg.layer_types.count("full_attention"), batch, cfg.num_key_value_heads, slots, cfg.head_dim,
-                     self.dtype, self.device)
+        kv = KVCache(
+            cfg.layer_types.count("full_attention"),
+            batch,
+            cfg.num_key_value_heads,
+            slots,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-        return HybridCache(kv, cfg.layer_types.count("linear_attention"), batch, conv_dim, cfg.linear_conv_kernel_dim,
-                           (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                           self.dtype, self.device)
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        )
+        return HybridCache(
+            kv,
+            cfg.layer_types.count("linear_attention"),
+            batch,
+            conv_dim,
+            cfg.linear_conv_kernel_dim,
+            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+            self.dtype,
+            self.device,
+        )
 
     def commit(self, cache: HybridCache, rows: slice, committed: torch.Tensor):
         """After every cached forward: rows `rows` (the forward's) now hold `committed` [B]
@@ -323,8 +349,9 @@ class Qwen3_5(Transformer):
         """Attention layers: as `Transformer.layer_inputs`, over the attention caches. Linear
         layers: the cache and their index in it. A cached forward continues every row from its
         committed state (a row at position 0 starts a sequence); `commit` must follow it."""
-        attention = super().layer_inputs(positions, dtype, None if cache is None else cache.kv, slots, mask, rows,
-                                         groups)
+        attention = super().layer_inputs(
+            positions, dtype, None if cache is None else cache.kv, slots, mask, rows, groups
+        )
         if cache is not None:
             cache.begin(rows, positions[:, 0])
         index = self.cache_index

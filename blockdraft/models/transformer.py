@@ -25,8 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
-from .layers import (RMSNorm, Rotary, apply_rotary, attend, attend_chunked, attend_gathered, attention_dtype,
-                     chunked_mask, gathered_keys, permute_rows_)
+from .layers import (
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    attend,
+    attend_chunked,
+    attend_gathered,
+    attention_dtype,
+    chunked_mask,
+    gathered_keys,
+    permute_rows_,
+)
 
 
 class KVCache:
@@ -47,8 +57,16 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[3]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: int, rows: slice,
-              index: torch.Tensor | None = None):
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        used: int,
+        rows: slice,
+        index: torch.Tensor | None = None,
+    ):
         """Store k/v [B, KV, T, D] of batch rows `rows` in cache slots [B, T]; return those
         rows' first `used` slots. `index`: `scatter_index(slots)`, if the caller made it already
         (it is the same for every layer)."""
@@ -70,8 +88,14 @@ class KVCache:
         permute_rows_(self.v, order)
 
 
-def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  groups: list[tuple[slice, int]] | None, chunk: int = 0) -> torch.Tensor:
+def attend_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    groups: list[tuple[slice, int]] | None,
+    chunk: int = 0,
+) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k/v [B, KV, S, D]. `groups`: (row range, slots) pairs:
     each range of rows attends to its own first slots only (views, no copies). `chunk` > 0:
     `attend_chunked` with an additive mask."""
@@ -87,8 +111,9 @@ def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
     if groups is None:
         return run(q, k, v, mask)
-    return torch.cat([run(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u])
-                      for r, u in groups])
+    return torch.cat(
+        [run(q[r], k[r, :, :u], v[r, :, :u], None if mask is None else mask[r, ..., :u]) for r, u in groups]
+    )
 
 
 class Attention(nn.Module):
@@ -118,8 +143,9 @@ class Attention(nn.Module):
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         else:  # q and k rotated in one go
             q, k = apply_rotary(qkv[:, : self.heads + self.kv_heads], cos, sin).split(
-                [self.heads, self.kv_heads], dim=1)
-            v = qkv[:, self.heads + self.kv_heads:]
+                [self.heads, self.kv_heads], dim=1
+            )
+            v = qkv[:, self.heads + self.kv_heads :]
         k, v = write(k, v)
         chunked = self.chunk and mask is not None and (isinstance(mask, tuple) or mask.dtype != torch.bool)
         out = attend_groups(q, k, v, mask, groups, self.chunk if chunked else 0)
@@ -140,8 +166,11 @@ class FusedSwiGLU(nn.Module):
 
 # HF projections that read the same input -> our one fused projection (Qwen3.5's linear
 # attention has four: q/k/v, its output gate z, beta's b and the decay's a)
-FUSED = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
-         (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj"))
+FUSED = (
+    (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    (("gate_proj", "up_proj"), "gate_up_proj"),
+    (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj"),
+)
 
 
 def fuse_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -238,8 +267,9 @@ class Transformer(nn.Module):
         cfg = self.config
         if self.attention_chunk:
             slots = -(-slots // self.attention_chunk) * self.attention_chunk
-        return KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim, self.dtype,
-                       self.device)
+        return KVCache(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim, self.dtype, self.device
+        )
 
     def commit(self, cache: KVCache, rows: slice, committed: torch.Tensor):
         """Called once the verified tokens of `rows` are settled (`committed` [B] tokens each).
@@ -251,10 +281,19 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None, *,
-                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None, rows: slice = slice(None),
-                groups: list[tuple[slice, int]] | None = None, capture: tuple[int, ...] = (),
-                features_only: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        slots: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        rows: slice = slice(None),
+        groups: list[tuple[slice, int]] | None = None,
+        capture: tuple[int, ...] = (),
+        features_only: bool = False,
+    ):
         """Run tokens [B, T] at absolute positions [B, T].
 
         Without a cache the tokens attend among themselves (causally by position: training
@@ -282,9 +321,16 @@ class Transformer(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return (None if features_only else self.model.norm(x)), features
 
-    def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None,
-                     slots: torch.Tensor | None, mask: torch.Tensor | None, rows: slice,
-                     groups: list[tuple[slice, int]] | None):
+    def layer_inputs(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        cache: KVCache | None,
+        slots: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        rows: slice,
+        groups: list[tuple[slice, int]] | None,
+    ):
         """`inputs(i)`: what layer i takes besides its hidden states in a forward (see `forward`):
         the rotary cos/sin, the attention mask, its `write(k, v)` (store its keys/values in the
         cache and return those to attend to) and the attention groups."""
@@ -318,10 +364,12 @@ class Transformer(nn.Module):
 
             def writer(i):
                 return lambda k, v: cache.write(i, slots, k, v, used, rows, index)
+
         return lambda i: (cos, sin, mask, writer(i), groups)
 
-    def attention_mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                       always: bool = False) -> torch.Tensor | None:
+    def attention_mask(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, always: bool = False
+    ) -> torch.Tensor | None:
         """[B, 1, T, S]: a query sees keys at positions <= its own (within the sliding window);
         None when that is everything (one query at the newest position), unless `always`."""
         window = self.config.sliding_window

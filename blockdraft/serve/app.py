@@ -34,20 +34,46 @@ log = logging.getLogger("blockdraft.serve")
 class Server:
     """The app's state: engine, scheduler, request reader (limits), metrics; `run` follows one request."""
 
-    def __init__(self, engine, *, model_name: str, method="dflash", max_batch: int = 8, max_queue: int = 64,
-                 max_model_len: int = 2048, max_tokens_limit: int = 1024, block_size: int | None = None,
-                 adaptive: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 shutdown_grace: float = 30.0, metrics_public: bool = False, body_timeout: float = 30.0,
-                 max_requests: int | None = None):
+    def __init__(
+        self,
+        engine,
+        *,
+        model_name: str,
+        method="dflash",
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_model_len: int = 2048,
+        max_tokens_limit: int = 1024,
+        block_size: int | None = None,
+        adaptive: bool = True,
+        api_key: str | None = None,
+        max_body_bytes: int = 1 << 20,
+        shutdown_grace: float = 30.0,
+        metrics_public: bool = False,
+        body_timeout: float = 30.0,
+        max_requests: int | None = None,
+    ):
         self.engine, self.model_name = engine, model_name
         precision = engine.precision() if hasattr(engine, "precision") else None
         self.metrics = Metrics(lambda: self.scheduler, max_block=max(1, block_size or 16), precision=precision)
-        self.scheduler = Scheduler(engine, method=method, max_batch=max_batch, max_queue=max_queue,
-                                   max_model_len=max_model_len, block_size=block_size, adaptive=adaptive,
-                                   metrics=self.metrics)
-        self.reader = RequestReader(engine, model_name=model_name, max_model_len=max_model_len,
-                                    max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes,
-                                    body_timeout=body_timeout)
+        self.scheduler = Scheduler(
+            engine,
+            method=method,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            adaptive=adaptive,
+            metrics=self.metrics,
+        )
+        self.reader = RequestReader(
+            engine,
+            model_name=model_name,
+            max_model_len=max_model_len,
+            max_tokens_limit=max_tokens_limit,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+        )
         self.api_key, self.shutdown_grace = api_key, shutdown_grace
         self.metrics_public = metrics_public  # with an API key: /metrics readable without it
         self.max_requests = max_requests  # HTTP requests handled at once (None: no cap); more get a JSON 503
@@ -85,8 +111,11 @@ class Server:
                         raise ClientGone("while its request waited or ran") from None
                     continue
                 if h.error:
-                    raise ApiError(h.error_status, h.error,
-                                   kind="server_error" if h.error_status >= 500 else "invalid_request_error")
+                    raise ApiError(
+                        h.error_status,
+                        h.error,
+                        kind="server_error" if h.error_status >= 500 else "invalid_request_error",
+                    )
                 while not events.empty():
                     events.get_nowait()
                 delta = self.engine.text_delta(row, h.state)
@@ -112,6 +141,7 @@ def create_app(server: Server, start_scheduler: bool = True):
     """The ASGI app: FastAPI's, behind `RequestCap` when the server has a request cap.
     `start_scheduler=False`: the caller steps the scheduler itself
     (`Scheduler.run` on the main thread, as `blockdraft serve` does)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         if start_scheduler:
@@ -125,11 +155,16 @@ def create_app(server: Server, start_scheduler: bool = True):
         if server.api_key:
             # the scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key is compared in constant time
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.lstrip(" ").encode(),
-                                                                     server.api_key.encode()):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                               kind="authentication_error", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.lstrip(" ").encode(), server.api_key.encode()
+            ):
+                raise ApiError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -191,8 +226,9 @@ def create_app(server: Server, start_scheduler: bool = True):
                 prompt_ids = await asyncio.to_thread(server.reader.chat_prompt, body, tools)
             else:
                 prompt_ids = await asyncio.to_thread(server.reader.completion_prompt, body)
-            row, stream, include_usage = server.reader.sampling(body, len(prompt_ids), None if chat else 16,
-                                                         "messages" if chat else "prompt", grammar)
+            row, stream, include_usage = server.reader.sampling(
+                body, len(prompt_ids), None if chat else 16, "messages" if chat else "prompt", grammar
+            )
             return_ids = check_field(body, "return_token_ids", bool, False, what="a boolean")
             if return_ids and stream:
                 raise ApiError(400, "'return_token_ids' is supported without streaming only", "return_token_ids")
@@ -203,11 +239,16 @@ def create_app(server: Server, start_scheduler: bool = True):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         # the client's own id when it sends one (safe characters only), else ours
         given = request.headers.get("x-request-id", "")
-        trace = {"x-request-id": given if given and len(given) <= 128 and given.isascii() and given.isprintable()
-                 else rid}
+        trace = {
+            "x-request-id": given if given and len(given) <= 128 and given.isascii() and given.isprintable() else rid
+        }
         created = int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": server.model_name}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": server.model_name,
+        }
 
         scoring = row.request.logprobs is not None
         completion_logprobs = CompletionLogprobs(server.token_texts) if scoring and not chat else None
@@ -217,7 +258,7 @@ def create_app(server: Server, start_scheduler: bool = True):
             if not scoring:
                 return None
             scores = state.logprobs[start:]  # (a copy: the scheduler thread may be appending)
-            ids = state.output_ids[start: start + len(scores)]
+            ids = state.output_ids[start : start + len(scores)]
             scores = scores[: len(ids)]
             if chat:
                 return chat_logprobs(server.token_texts, ids, scores)
@@ -228,8 +269,12 @@ def create_app(server: Server, start_scheduler: bool = True):
 
         def choice(delta: str, finish, lp=None):
             if chat:
-                return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                        "finish_reason": finish}
+                return {
+                    "index": 0,
+                    "delta": {"content": delta} if delta else {},
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
             return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
 
         if stream:
@@ -245,9 +290,19 @@ def create_app(server: Server, start_scheduler: bool = True):
                 calls = CallStream(tools) if tools is not None else None  # holds back what may be a tool call
                 try:
                     if chat:  # (content null, as OpenAI's, where the answer may be a tool call)
-                        yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                               "content": None if calls else ""},
-                                                         "logprobs": None, "finish_reason": None}]})
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "delta": {"role": "assistant", "content": None if calls else ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
                     item = first
                     while True:
                         delta, handle, ended = item
@@ -266,8 +321,14 @@ def create_app(server: Server, start_scheduler: bool = True):
                         if call is not None:
                             finish = "tool_calls"
                             for piece in call_chunks(call):
-                                yield _sse({**base, "choices": [{"index": 0, "delta": piece, "logprobs": None,
-                                                                 "finish_reason": None}]})
+                                yield _sse(
+                                    {
+                                        **base,
+                                        "choices": [
+                                            {"index": 0, "delta": piece, "logprobs": None, "finish_reason": None}
+                                        ],
+                                    }
+                                )
                         else:  # a call cut short (max_tokens) is its text, never a call
                             lp = logprobs(handle.state, scored)
                             scored += count(lp)
@@ -289,8 +350,11 @@ def create_app(server: Server, start_scheduler: bool = True):
                 finally:
                     await gen.aclose()
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **trace})
+            return StreamingResponse(
+                events(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **trace},
+            )
 
         text, handle = "", None
         try:
@@ -310,8 +374,14 @@ def create_app(server: Server, start_scheduler: bool = True):
             choices = [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}]
         else:
             choices = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]
-        reply = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                 "model": server.model_name, "choices": choices, "usage": server.usage(handle)}
+        reply = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": server.model_name,
+            "choices": choices,
+            "usage": server.usage(handle),
+        }
         if return_ids:  # as vLLM: the exact tokens (a stop token included), for training-data regeneration
             choices[0]["token_ids"] = list(handle.state.output_ids)
             reply["prompt_token_ids"] = list(prompt_ids)
@@ -341,9 +411,13 @@ class RequestCap:
         if scope["type"] != "http" or scope.get("path") == "/health":
             return await self.app(scope, receive, send)
         if self.active >= self.limit:
-            refused = ApiError(503, f"the server is handling {self.limit} requests, its limit (--max-connections); "
-                                    "retry later", kind="server_error", code="overloaded",
-                               headers={"Retry-After": "1"})
+            refused = ApiError(
+                503,
+                f"the server is handling {self.limit} requests, its limit (--max-connections); retry later",
+                kind="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
             return await refused.response()(scope, receive, send)
         self.active += 1
         try:

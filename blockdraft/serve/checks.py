@@ -13,21 +13,37 @@ log = logging.getLogger("blockdraft.serve")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+            headers=self.headers,
+        )
 
 
 # fields of OpenAI's API this server does not implement, with the values that mean "not used"
 # (`tools` and `response_format` are implemented: `serve.tools`; the deprecated `functions` are not)
-UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "echo": (None, False), "suffix": (None, ""),
-               "logit_bias": (None, {}), "best_of": (None, 1)}
+UNSUPPORTED = {
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+}
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds: top_logprobs (chat), logprobs (legacy)
 
 

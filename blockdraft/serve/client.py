@@ -36,8 +36,12 @@ class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "blockdraft", "serve", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blockdraft", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+        )
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -61,11 +65,24 @@ class ServerProcess:
         self.stop()
 
 
-def stream_chat(url: str, messages: list[dict], *, max_tokens: int, temperature: float = 0.0,
-                api_key: str | None = None, model: str | None = None, timeout: float = 600) -> dict:
+def stream_chat(
+    url: str,
+    messages: list[dict],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    api_key: str | None = None,
+    model: str | None = None,
+    timeout: float = 600,
+) -> dict:
     """One streamed chat completion; returns text, finish reasons, [DONE] seen, usage and timings."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -18,8 +18,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -70,12 +71,18 @@ class TokenTexts:
 
 def chat_logprobs(texts: TokenTexts, ids: list[int], scores: list[tuple]) -> dict:
     """`choices[i].logprobs` of a chat completion (or chunk) for tokens `ids` and their scores."""
+
     def entry(token_id, logprob):
         text, raw = texts.get(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                        for t, (lp, top) in zip(ids, scores, strict=False)], "refusal": None}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+            for t, (lp, top) in zip(ids, scores, strict=False)
+        ],
+        "refusal": None,
+    }
 
 
 class CompletionLogprobs:

@@ -14,33 +14,55 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         p = "blockdraft_"
         if precision is not None:  # what the target runs in and why (`Engine.precision`), as an info gauge
-            info = Gauge(p + "target_precision_info", "The target's dtype, why it was chosen, whether "
-                         "speculation is bit-exact, and which step runs", ["dtype", "exact", "reason", "step"],
-                         registry=r)
-            info.labels(precision["dtype"], str(precision["exact"]).lower(), precision["dtype_reason"],
-                        precision.get("step", "eager")).set(1)
+            info = Gauge(
+                p + "target_precision_info",
+                "The target's dtype, why it was chosen, whether speculation is bit-exact, and which step runs",
+                ["dtype", "exact", "reason", "step"],
+                registry=r,
+            )
+            info.labels(
+                precision["dtype"],
+                str(precision["exact"]).lower(),
+                precision["dtype_reason"],
+                precision.get("step", "eager"),
+            ).set(1)
         self.requests = Counter(p + "requests", "Finished HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Submission to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean seconds per output token after the first",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_latency_seconds", "Submission to last token", buckets=LATENCY_BUCKETS,
-                             registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Submission to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "Mean seconds per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "request_latency_seconds", "Submission to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a batch slot", registry=r)
         self.batch_size = Gauge(p + "running_batch_size", "Requests in the running batch", registry=r)
         self.block_size = Gauge(p + "speculation_block_size", "Block size of the last verify step", registry=r)
         self.steps = Counter(p + "verify_steps", "Verify steps run", registry=r)
-        self.acceptance = Histogram(p + "acceptance_length", "Tokens committed per row per verify step",
-                                    buckets=tuple(range(1, max_block + 1)), registry=r)
-        self.drafted = Counter(p + "spec_drafted_tokens", "Draft tokens verified, by position in the block",
-                               ["position"], registry=r)
-        self.accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted, by position in the block",
-                                ["position"], registry=r)
-        self.position_rate = Gauge(p + "spec_position_acceptance_rate",
-                                   "P(draft k accepted | drafts 1..k-1 accepted), as the benchmark reports it",
-                                   ["position"], registry=r)
+        self.acceptance = Histogram(
+            p + "acceptance_length",
+            "Tokens committed per row per verify step",
+            buckets=tuple(range(1, max_block + 1)),
+            registry=r,
+        )
+        self.drafted = Counter(
+            p + "spec_drafted_tokens", "Draft tokens verified, by position in the block", ["position"], registry=r
+        )
+        self.accepted = Counter(
+            p + "spec_accepted_tokens", "Draft tokens accepted, by position in the block", ["position"], registry=r
+        )
+        self.position_rate = Gauge(
+            p + "spec_position_acceptance_rate",
+            "P(draft k accepted | drafts 1..k-1 accepted), as the benchmark reports it",
+            ["position"],
+            registry=r,
+        )
         self._scheduler = scheduler_ref
         self._positions = PositionAcceptance(max_block)
 
@@ -55,8 +77,9 @@ class Metrics:
                 self.drafted.labels(str(k)).inc()
                 if k <= accepted:
                     self.accepted.labels(str(k)).inc()
-        for k, (rate, reached) in enumerate(zip(self._positions.rates(), self._positions.reached, strict=False),
-                                            start=1):
+        for k, (rate, reached) in enumerate(
+            zip(self._positions.rates(), self._positions.reached, strict=False), start=1
+        ):
             if reached:
                 self.position_rate.labels(str(k)).set(rate)
 

@@ -56,9 +56,18 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, method: str | SpecConfig = "dflash", max_batch: int = 8,
-                 max_queue: int = 64, max_model_len: int = 2048, block_size: int | None = None,
-                 adaptive: bool = True, metrics=None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        method: str | SpecConfig = "dflash",
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_model_len: int = 2048,
+        block_size: int | None = None,
+        adaptive: bool = True,
+        metrics=None,
+    ):
         """`method`: a method string, sized by `block_size` and `adaptive`, or a whole `SpecConfig`
         (its block and mode as given); a block above the drafter's trained size is lowered to it."""
         if not isinstance(method, SpecConfig):
@@ -67,8 +76,15 @@ class Scheduler:
         spec = replace(method, clamp=True).build(engine)
         self.proposer, block = spec.proposer, spec.block
         self.max_model_len = max_model_len
-        self.loop = DecodeLoop(engine.target, self.proposer, block, max_batch, max_model_len + block,
-                               sort_every=default_sort_every(self.proposer, max_batch), adaptive=spec.adaptive)
+        self.loop = DecodeLoop(
+            engine.target,
+            self.proposer,
+            block,
+            max_batch,
+            max_model_len + block,
+            sort_every=default_sort_every(self.proposer, max_batch),
+            adaptive=spec.adaptive,
+        )
         self.batcher = Batcher(self.loop)  # queue -> admit -> step -> deliver; this class adds threads and bounds
         engine.target.warm_up(max_batch * self.loop.block_size)  # one-off costs out of the policy's timings
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -104,8 +120,10 @@ class Scheduler:
     def submit(self, row, on_event: Callable[[Handle], None]) -> Handle:
         req = row.request
         if len(req.prompt_ids) + req.max_new_tokens > self.max_model_len:
-            raise BlockdraftError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_new_tokens}) "
-                                  f"exceeds the server's context of {self.max_model_len} tokens")
+            raise BlockdraftError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_new_tokens}) "
+                f"exceeds the server's context of {self.max_model_len} tokens"
+            )
         with self.cond:
             if not self.accepting:
                 raise ShuttingDown("the server is shutting down")

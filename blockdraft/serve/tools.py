@@ -64,8 +64,9 @@ def response_format(body: dict) -> GrammarSpec | None:
         raise ApiError(400, "'response_format.json_schema' must be an object", "response_format")
     _keys(js, {"name", "description", "schema", "strict"}, "response_format.json_schema", "response_format")
     if not isinstance(js.get("name"), str) or not NAME.fullmatch(js["name"]):
-        raise ApiError(400, "'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
-                       "response_format")
+        raise ApiError(
+            400, "'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'", "response_format"
+        )
     if js.get("description") is not None and not isinstance(js["description"], str):
         raise ApiError(400, "'response_format.json_schema.description' must be a string", "response_format")
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
@@ -94,13 +95,23 @@ class Tools:
         """The tools and the call format, for the system turn."""
         lines = ["# Tools", "", "You can call these functions:"]
         for f in self.functions:
-            lines.append(json.dumps({k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None},
-                                    ensure_ascii=False))
-        lines += ["", f'To call a function, answer with only {TAG}{{"name":"<function name>","arguments":'
-                      f'<the arguments as a JSON object>}}{END}']
-        lines.append({"auto": "Otherwise, answer the user directly.",
-                      "required": "You must call one of the functions.",
-                      "named": f"You must call the function {self.named}."}[self.choice])
+            lines.append(
+                json.dumps(
+                    {k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None}, ensure_ascii=False
+                )
+            )
+        lines += [
+            "",
+            f'To call a function, answer with only {TAG}{{"name":"<function name>","arguments":'
+            f"<the arguments as a JSON object>}}{END}",
+        ]
+        lines.append(
+            {
+                "auto": "Otherwise, answer the user directly.",
+                "required": "You must call one of the functions.",
+                "named": f"You must call the function {self.named}.",
+            }[self.choice]
+        )
         return "\n".join(lines)
 
     def lark(self, answer: GrammarSpec | None = None) -> str:
@@ -145,7 +156,7 @@ def read_tools(body: dict) -> Tools | None:
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ApiError(400, f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+            raise ApiError(400, f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', "tools")
         _keys(tool, {"type", "function"}, where, "tools")
         f = tool["function"]
         _keys(f, {"name", "description", "parameters", "strict"}, f"{where}.function", "tools")
@@ -162,23 +173,33 @@ def read_tools(body: dict) -> Tools | None:
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ApiError(400, f"'{where}.function.parameters' must be a JSON schema of an object", "tools")
-        functions.append({"name": f["name"], "description": f.get("description"),
-                          "parameters": {"type": "object", **params}})
+        functions.append(
+            {"name": f["name"], "description": f.get("description"), "parameters": {"type": "object", **params}}
+        )
     named = None
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
-                                "{\"type\": \"function\", \"function\": {\"name\": NAME}}", "tool_choice")
+            raise ApiError(
+                400,
+                "'tool_choice' must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": NAME}}',
+                "tool_choice",
+            )
         if fn["name"] not in (f["name"] for f in functions):
-            raise ApiError(400, f"'tool_choice' names the function {_shown(fn['name'])}, which is not in 'tools'",
-                           "tool_choice")
+            raise ApiError(
+                400, f"'tool_choice' names the function {_shown(fn['name'])}, which is not in 'tools'", "tool_choice"
+            )
         choice, named = "named", fn["name"]
     elif choice not in CHOICES:
-        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
-                            "{\"type\": \"function\", \"function\": {\"name\": NAME}}", "tool_choice")
+        raise ApiError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": NAME}}',
+            "tool_choice",
+        )
     if choice == "none":  # the model is not told of the tools: it answers as without them
         return None
     return Tools(functions, choice, named, parallel is not False)
@@ -211,7 +232,7 @@ def parse_call(text: str, tools: Tools) -> dict | None:
     text, or a call cut before its end)."""
     if not (text.startswith(TAG) and text.endswith(END)):
         return None
-    inner = text[len(TAG): -len(END)]
+    inner = text[len(TAG) : -len(END)]
     try:
         call = json.loads(inner)
     except ValueError:
@@ -223,9 +244,12 @@ def parse_call(text: str, tools: Tools) -> dict | None:
     head = '{"name":' + json.dumps(call["name"]) + ',"arguments":'
     # the arguments as the model wrote them (the grammar's layout), else re-serialised
     as_written = inner.startswith(head) and inner.endswith("}")
-    arguments = inner[len(head): -1] if as_written else json.dumps(call["arguments"])
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": call["name"], "arguments": arguments}}
+    arguments = inner[len(head) : -1] if as_written else json.dumps(call["arguments"])
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": call["name"], "arguments": arguments},
+    }
 
 
 def call_text(call: dict) -> str:
@@ -257,9 +281,14 @@ class CallStream:
 
 def call_chunks(call: dict, pieces: int = 3) -> list[dict]:
     """A tool call as OpenAI streams it: the deltas of its id and name, then of its arguments."""
-    first = {"index": 0, "id": call["id"], "type": "function",
-             "function": {"name": call["function"]["name"], "arguments": ""}}
+    first = {
+        "index": 0,
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["function"]["name"], "arguments": ""},
+    }
     args = call["function"]["arguments"]
     size = max(1, -(-len(args) // pieces))
-    return [{"tool_calls": [first]}] + [{"tool_calls": [{"index": 0, "function": {"arguments": args[i: i + size]}}]}
-                                         for i in range(0, len(args), size)]
+    return [{"tool_calls": [first]}] + [
+        {"tool_calls": [{"index": 0, "function": {"arguments": args[i : i + size]}}]} for i in range(0, len(args), size)
+    ]

@@ -23,6 +23,7 @@ def sample_seed(sample_id: str) -> int:
 class AnswerSampling:
     """How the target answers training prompts: greedy (temperature 0) or sampled with
     temperature, top-p and top-k (0 = off), HF's order. Each answer is seeded by its sample id."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -60,17 +61,34 @@ def answer_copies(prompts: Iterable[dict], answers_per_prompt: int, first: int =
     id `answer_id(prompt id, i)` (and so its own seed) and records `prompt_id` / `answer_index`."""
     for p in prompts:
         for i in range(first, first + answers_per_prompt):
-            yield p if (answers_per_prompt, first) == (1, 0) else {**p, "id": answer_id(p["id"], i),
-                                                                   "prompt_id": p["id"], "answer_index": i}
+            yield (
+                p
+                if (answers_per_prompt, first) == (1, 0)
+                else {**p, "id": answer_id(p["id"], i), "prompt_id": p["id"], "answer_index": i}
+            )
 
 
-def make_sample(prompt: dict, answer_ids: list[int], finish_reason: str, *, method: str,
-                sampling: AnswerSampling, max_new_tokens: int, dtype: str | None = None) -> dict:
+def make_sample(
+    prompt: dict,
+    answer_ids: list[int],
+    finish_reason: str,
+    *,
+    method: str,
+    sampling: AnswerSampling,
+    max_new_tokens: int,
+    dtype: str | None = None,
+) -> dict:
     """The JSON line written for an answered prompt (its chat messages are not kept). `dtype`: the
     precision the target ran in, when known (in-process); samples without it came from fp32."""
     fields = {k: v for k, v in prompt.items() if k != "messages"}
-    sample = {**fields, "answer_ids": answer_ids, "finish_reason": finish_reason, "method": method,
-              **sampling.fields(), "max_new_tokens": max_new_tokens}
+    sample = {
+        **fields,
+        "answer_ids": answer_ids,
+        "finish_reason": finish_reason,
+        "method": method,
+        **sampling.fields(),
+        "max_new_tokens": max_new_tokens,
+    }
     if dtype is not None and dtype != "float32":
         sample["dtype"] = dtype
     return sample

@@ -35,8 +35,9 @@ class BlockBatch:
     starts: torch.Tensor  # [N] where each sequence's answer starts
 
 
-def sample_anchors(answer_start: int, length: int, count: int, block_size: int, mode: str,
-                   generator: torch.Generator) -> list[int]:
+def sample_anchors(
+    answer_start: int, length: int, count: int, block_size: int, mode: str, generator: torch.Generator
+) -> list[int]:
     """Anchor positions inside the answer: `random` (the recipe) or `fixed` block boundaries."""
     first, last = answer_start, length - 2
     if last < first:
@@ -48,16 +49,27 @@ def sample_anchors(answer_start: int, length: int, count: int, block_size: int, 
     return sorted((pick + first).tolist())
 
 
-def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size: int, num_anchors: int,
-                 mask_token_id: int, gamma: float | None, generator: torch.Generator,
-                 anchor_mode: str = "random", shift: int = 0) -> BlockBatch:
+def build_blocks(
+    seqs: list[list[int]],
+    answer_starts: list[int],
+    *,
+    block_size: int,
+    num_anchors: int,
+    mask_token_id: int,
+    gamma: float | None,
+    generator: torch.Generator,
+    anchor_mode: str = "random",
+    shift: int = 0,
+) -> BlockBatch:
     """Blocks at random anchors; `shift` 1: DSpark's layout (each slot labelled with the token after it)."""
     if shift not in (0, 1):
         raise ValueError(f"shift is 0 (DFlash's layout) or 1 (DSpark's), got {shift}")
     n = len(seqs)
     width = max(len(s) for s in seqs)
-    anchors = [sample_anchors(st, len(s), num_anchors, block_size, anchor_mode, generator)
-               for s, st in zip(seqs, answer_starts, strict=False)]
+    anchors = [
+        sample_anchors(st, len(s), num_anchors, block_size, anchor_mode, generator)
+        for s, st in zip(seqs, answer_starts, strict=False)
+    ]
     a_max = max(1, max(len(a) for a in anchors))
     q = a_max * block_size
     # one tensor expression per field (a Python loop over sequences x anchors x positions cost
@@ -80,13 +92,24 @@ def build_blocks(seqs: list[list[int]], answer_starts: list[int], *, block_size:
     at_label = pos + shift
     labelled = real_q & (offsets + shift > 0) & (at_label < lengths[:, None])
     labels = torch.where(labelled, tokens.gather(1, at_label.clamp(0, width - 1)), torch.full_like(pos, IGNORE))
-    decay = torch.tensor([0.0] * (1 - shift) + [math.exp(-j / gamma) if gamma else 1.0
-                                                for j in range(block_size - 1 + shift)])
+    decay = torch.tensor(
+        [0.0] * (1 - shift) + [math.exp(-j / gamma) if gamma else 1.0 for j in range(block_size - 1 + shift)]
+    )
     weights = torch.where(labelled, decay[offsets], torch.zeros(()))
     block_of = torch.arange(q) // block_size
     own = block_of[:, None] == block_of[None, :]  # each query sees its own block
     context = torch.arange(width)[None, None, :] < at[:, :, None]  # strictly before its anchor (none: padding)
     mask = torch.cat([context, own.expand(n, q, q)], dim=2)[:, None]
     label_positions = torch.where(real_q, at_label, torch.zeros_like(pos))
-    return BlockBatch(tokens, lengths, block_tokens, block_positions, labels, weights, mask, offsets,
-                      label_positions, torch.tensor(answer_starts))
+    return BlockBatch(
+        tokens,
+        lengths,
+        block_tokens,
+        block_positions,
+        labels,
+        weights,
+        mask,
+        offsets,
+        label_positions,
+        torch.tensor(answer_starts),
+    )

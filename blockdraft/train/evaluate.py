@@ -33,9 +33,11 @@ def decode_tau(self, block_size: int | None = None) -> float:
     lengths = [a for s in states for a in s.acceptance_lengths]
     return sum(lengths) / max(1, len(lengths))
 
+
 @torch.no_grad()
-def teacher_forced(self, num_samples: int = 128, seed: int = 12345, block_size: int | None = None,
-                    num_anchors: int | None = None) -> dict:
+def teacher_forced(
+    self, num_samples: int = 128, seed: int = 12345, block_size: int | None = None, num_anchors: int | None = None
+) -> dict:
     """Teacher-forced acceptance on held-out answers. The answers are the target's own greedy
     continuations (regenerated data), so at an anchor the drafter's block (one pass, greedy)
     is accepted up to its first wrong position, exactly as in the decode loop given the same
@@ -56,10 +58,17 @@ def teacher_forced(self, num_samples: int = 128, seed: int = 12345, block_size: 
     accepted, blocks = torch.zeros((), device=dev), torch.zeros((), device=dev)
     self.drafter.eval()
     for s in range(0, len(pool), cfg.batch_size):
-        items = pool[s:s + cfg.batch_size]
-        batch = build_blocks([it[0] for it in items], [it[1] for it in items], block_size=b,
-                             num_anchors=num_anchors or cfg.num_anchors, mask_token_id=cfg.mask_token_id,
-                             gamma=self.gamma, generator=gen, shift=self.shift)
+        items = pool[s : s + cfg.batch_size]
+        batch = build_blocks(
+            [it[0] for it in items],
+            [it[1] for it in items],
+            block_size=b,
+            num_anchors=num_anchors or cfg.num_anchors,
+            mask_token_id=cfg.mask_token_id,
+            gamma=self.gamma,
+            generator=gen,
+            shift=self.shift,
+        )
         with self.autocast:
             hidden, _ = self.block_hidden(batch, labels=False)
         labels = batch.labels.to(dev)
@@ -74,8 +83,7 @@ def teacher_forced(self, num_samples: int = 128, seed: int = 12345, block_size: 
             scored = y >= 0  # labelled and (with a draft vocabulary) in it
             right = (logits.argmax(-1) == y) & scored
             k = batch.offsets[row].to(dev)
-            ce += torch.bincount(k[scored], F.cross_entropy(logits[scored], y[scored], reduction="none"),
-                                 minlength=b)
+            ce += torch.bincount(k[scored], F.cross_entropy(logits[scored], y[scored], reduction="none"), minlength=b)
             ce_count += torch.bincount(k[scored], minlength=b).float()
             hit += torch.bincount(k[right], minlength=b).float()
             count += torch.bincount(k[y != IGNORE], minlength=b).float()
@@ -84,6 +92,9 @@ def teacher_forced(self, num_samples: int = 128, seed: int = 12345, block_size: 
             accepted += accepted_lengths(right.view(-1, b)[:, first:])[real].sum()
             blocks += real.sum()
     self.drafter.train()
-    return {"tau_blocks": round(float(accepted / blocks.clamp(min=1)), 4), "blocks": int(blocks),
-            "val_ce": [round(x, 4) for x in (ce / ce_count.clamp(min=1)).tolist()[1 - self.shift:]],
-            "val_acc": [round(x, 4) for x in (hit / count.clamp(min=1)).tolist()[1 - self.shift:]]}
+    return {
+        "tau_blocks": round(float(accepted / blocks.clamp(min=1)), 4),
+        "blocks": int(blocks),
+        "val_ce": [round(x, 4) for x in (ce / ce_count.clamp(min=1)).tolist()[1 - self.shift :]],
+        "val_acc": [round(x, 4) for x in (hit / count.clamp(min=1)).tolist()[1 - self.shift :]],
+    }

@@ -52,8 +52,13 @@ def sequence_key(tokens) -> str:
 def target_fingerprint(target) -> str:
     """A hash of the target's config and of a slice of its embedding and of its last layer's weights."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(target.config.to_dict() if hasattr(target.config, "to_dict") else vars(target.config),
-                        sort_keys=True, default=str).encode())
+    h.update(
+        json.dumps(
+            target.config.to_dict() if hasattr(target.config, "to_dict") else vars(target.config),
+            sort_keys=True,
+            default=str,
+        ).encode()
+    )
     for p in (target.model.embed_tokens.weight, next(target.model.layers[-1].parameters())):
         h.update(p.detach().float().flatten()[:65536].cpu().numpy().tobytes())
     return h.hexdigest()
@@ -113,7 +118,7 @@ class _Store:
     def refresh(self):
         """Read the index lines written since the last look (other processes' too)."""
         for index in sorted(self.folder.glob(f"{self._index_prefix}-*.jsonl")):
-            data = f"{self._data_prefix}-{index.name[len(self._index_prefix) + 1: -len('.jsonl')]}.bin"
+            data = f"{self._data_prefix}-{index.name[len(self._index_prefix) + 1 : -len('.jsonl')]}.bin"
             size = (self.folder / data).stat().st_size if (self.folder / data).is_file() else 0
             with open(index, "rb") as f:
                 f.seek(self._read_upto.get(index, 0))
@@ -164,8 +169,16 @@ class FeatureCache:
     labels, its TEACHER_TOPK likeliest next tokens with their log-probabilities at every answer
     position (`get_teacher` / `put_teacher`: files `teacher-NAME.bin`, `teacher-index-NAME.jsonl`)."""
 
-    def __init__(self, folder: str | Path, target, layer_ids, rank: int = 0, writer: str | None = None,
-                 dtype: str | None = None, readonly: bool = False):
+    def __init__(
+        self,
+        folder: str | Path,
+        target,
+        layer_ids,
+        rank: int = 0,
+        writer: str | None = None,
+        dtype: str | None = None,
+        readonly: bool = False,
+    ):
         """`dtype`: how this process stores features, "float16" or "int8" (FEATURE_DTYPES); default:
         the folder's (`meta.json`, float16 for a new one). A folder holds records of both.
         `readonly`: it reads the folder and never writes to it."""
@@ -176,15 +189,21 @@ class FeatureCache:
         self.width = len(layer_ids) * self.hidden
         if dtype is not None and dtype not in FEATURE_DTYPES:
             raise BlockdraftError(f"--feature-dtype must be one of {', '.join(FEATURE_DTYPES)}, not {dtype!r}")
-        meta = {"format": 1, "target": target_fingerprint(target), "layers": [int(i) for i in layer_ids],
-                "width": self.width, "dtype": dtype or "float16"}
+        meta = {
+            "format": 1,
+            "target": target_fingerprint(target),
+            "layers": [int(i) for i in layer_ids],
+            "width": self.width,
+            "dtype": dtype or "float16",
+        }
         path = self.folder / "meta.json"
         if path.is_file():
             have = json.loads(path.read_text())
             what = [k for k in meta if k != "dtype" and have.get(k) != meta[k]]
             if what:
-                raise BlockdraftError(f"--feature-cache {self.folder}: made for another {' and '.join(what)}; "
-                                      "use an empty folder")
+                raise BlockdraftError(
+                    f"--feature-cache {self.folder}: made for another {' and '.join(what)}; use an empty folder"
+                )
             meta["dtype"] = dtype or have.get("dtype", "float16")
         else:
             path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -192,8 +211,9 @@ class FeatureCache:
         name = None if readonly else writer or f"rank{rank}"
         self._features = _Store(self.folder, "features", "index", name, self._record_bytes)
         # teacher records: int32 ids [rows, k] then float16 log-probabilities [rows, k]; extra (start, k)
-        self._teacher = _Store(self.folder, "teacher", "teacher-index", name,
-                               lambda rows, extra: teacher_bytes(rows, extra[1]))
+        self._teacher = _Store(
+            self.folder, "teacher", "teacher-index", name, lambda rows, extra: teacher_bytes(rows, extra[1])
+        )
         self.index = self._features.index
         self.hits = self.misses = 0
 
@@ -218,7 +238,7 @@ class FeatureCache:
             if extra[:1] == ("int8",):
                 data = np.frombuffer(raw, dtype=np.uint8)
                 q = torch.from_numpy(data[: rows * self.width].view(np.int8).reshape(rows, self.width)[:n].copy())
-                scales = torch.from_numpy(data[rows * self.width:].view(np.float32).reshape(rows, -1)[:n].copy())
+                scales = torch.from_numpy(data[rows * self.width :].view(np.float32).reshape(rows, -1)[:n].copy())
                 out[row, :n] = dequantize(q, scales)
             else:
                 out[row, :n] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(-1, self.width)[:n].float()
@@ -261,10 +281,10 @@ class FeatureCache:
             raw, rows, (start, k) = self._teacher.read(key)
             data = np.frombuffer(raw, dtype=np.uint8)
             got_ids = torch.from_numpy(data[: rows * k * 4].view(np.int32).reshape(rows, k).astype(np.int64))
-            got_lp = torch.from_numpy(data[rows * k * 4:].view(np.float16).reshape(rows, k).astype(np.float32))
+            got_lp = torch.from_numpy(data[rows * k * 4 :].view(np.float16).reshape(rows, k).astype(np.float32))
             n, k = max(0, min(rows, width - start)), min(k, TEACHER_TOPK)
-            ids[row, start: start + n, :k] = got_ids[:n, :k]
-            logp[row, start: start + n, :k] = got_lp[:n, :k]
+            ids[row, start : start + n, :k] = got_ids[:n, :k]
+            logp[row, start : start + n, :k] = got_lp[:n, :k]
         return ids.to(device), logp.to(device), missing
 
     def put_teacher(self, key: str, ids: torch.Tensor, logp: torch.Tensor, start: int):
@@ -273,20 +293,27 @@ class FeatureCache:
         rows, k = ids.shape
         if key in self._teacher.index or not self.room(teacher_bytes(rows, k)):
             return
-        raw = (ids.detach().cpu().to(torch.int32).numpy().tobytes()
-               + logp.detach().float().clamp(min=-FP16_MAX).cpu().half().numpy().tobytes())
+        raw = (
+            ids.detach().cpu().to(torch.int32).numpy().tobytes()
+            + logp.detach().float().clamp(min=-FP16_MAX).cpu().half().numpy().tobytes()
+        )
         self._teacher.append(key, raw, rows, int(start), k)
 
     def bytes_needed(self, sequences, answer_starts=None) -> int:
         """What storing the features of `sequences` (token id lists) not cached yet adds to the
         cache, and with `answer_starts` (soft labels) the top tokens of their answers not stored yet."""
         keys = [sequence_key(seq) for seq in sequences]
-        need = sum(self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys, strict=False)
-                   if key not in self.index)
+        need = sum(
+            self.sample_bytes(len(seq)) for seq, key in zip(sequences, keys, strict=False) if key not in self.index
+        )
         if answer_starts is not None:
-            need += teacher_bytes(sum(len(seq) - start
-                                      for seq, start, key in zip(sequences, answer_starts, keys, strict=False)
-                                      if key not in self._teacher.index))
+            need += teacher_bytes(
+                sum(
+                    len(seq) - start
+                    for seq, start, key in zip(sequences, answer_starts, keys, strict=False)
+                    if key not in self._teacher.index
+                )
+            )
         return need
 
     def check_space(self, sequences, reserve: int = 2**30, answer_starts=None) -> str | None:
@@ -297,10 +324,12 @@ class FeatureCache:
         need, free = self.bytes_needed(sequences, answer_starts), shutil.disk_usage(self.folder).free
         if need <= free - reserve:
             return None
-        return (f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
-                f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits "
-                f"({max(0, free - reserve) / 2**30:.1f}"
-                f" GiB, 1 GiB kept free), and the target runs for the other samples every epoch")
+        return (
+            f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
+            f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits "
+            f"({max(0, free - reserve) / 2**30:.1f}"
+            f" GiB, 1 GiB kept free), and the target runs for the other samples every epoch"
+        )
 
     def room(self, nbytes: int, reserve: int = 2**30) -> bool:
         """Whether `nbytes` more fit on the cache's disk with `reserve` bytes left free."""
@@ -321,8 +350,10 @@ class FeatureCache:
                 self._features.append(key, q.numpy().tobytes() + scales.numpy().tobytes(), rows, *extra)
                 continue
             if bool((full[i, :rows].abs() > FP16_MAX).any()):
-                raise BlockdraftError("--feature-cache: the target's features exceed float16's range; "
-                                      "train without the cache (or with --feature-dtype int8)")
+                raise BlockdraftError(
+                    "--feature-cache: the target's features exceed float16's range; "
+                    "train without the cache (or with --feature-dtype int8)"
+                )
             self._features.append(key, full[i, :rows].half().numpy().tobytes(), rows)
 
     def close(self):
@@ -392,8 +423,10 @@ class FeatureRecorder(Proposer):
                 permute_rows_(buf, order, dim=0)
 
     def release(self, row, key):
-        self.ended[key] = (self.buf[row].clone(),
-                           None if self.top_ids is None else (self.top_ids[row].clone(), self.top_logp[row].clone()))
+        self.ended[key] = (
+            self.buf[row].clone(),
+            None if self.top_ids is None else (self.top_ids[row].clone(), self.top_logp[row].clone()),
+        )
 
     def pop(self, key, length: int, start: int = 0):
         """The ended request `key`'s features at its first `length` positions [length, width], and

@@ -9,8 +9,7 @@ from ..errors import BlockdraftError
 
 def _copy_layer(theirs, q_proj, k_proj, v_proj, o_proj, mlp, post_norm, columns: slice = slice(None)):
     """Copy a target decoder layer into drafter modules (`columns` of the q/k/v input side)."""
-    q, k, v = theirs.self_attn.qkv_proj.weight.split([q_proj.out_features, k_proj.out_features,
-                                                      v_proj.out_features])
+    q, k, v = theirs.self_attn.qkv_proj.weight.split([q_proj.out_features, k_proj.out_features, v_proj.out_features])
     q_proj.weight[:, columns].copy_(q)
     k_proj.weight[:, columns].copy_(k)
     v_proj.weight[:, columns].copy_(v)
@@ -34,8 +33,10 @@ def init_from_target(drafter, target, how: str, init_layers):
     if how not in ("target-first", "target-last", "target-last-fc"):
         raise BlockdraftError(f"--init must be random, target-first, target-last or target-last-fc, not {how!r}")
     if target.recurrent:
-        raise BlockdraftError(f"--init {how} copies Llama-style attention layers; this target's layers are "
-                              "linear and gated attention (use --init random)")
+        raise BlockdraftError(
+            f"--init {how} copies Llama-style attention layers; this target's layers are "
+            "linear and gated attention (use --init random)"
+        )
     with torch.no_grad():
         init_layers(drafter, target, how)
         if how.startswith("target-last"):
@@ -44,7 +45,7 @@ def init_from_target(drafter, target, how: str, init_layers):
             ids, h = list(drafter.config.target_layer_ids), drafter.config.hidden_size
             j = ids.index(max(ids))
             drafter.fc.weight.zero_()
-            drafter.fc.weight[:, j * h:(j + 1) * h].copy_(torch.eye(h))
+            drafter.fc.weight[:, j * h : (j + 1) * h].copy_(torch.eye(h))
             reader = layers[ids[j] + 1] if ids[j] + 1 < len(layers) else layers[-1]
             drafter.hidden_norm.weight.copy_(reader.input_layernorm.weight)
 
@@ -55,8 +56,16 @@ def init_eagle_layers(drafter, target, how: str):
     theirs = layers[0] if how == "target-first" else layers[-1]
     h = drafter.config.hidden_size
     with torch.no_grad():
-        _copy_layer(theirs, drafter.q_proj, drafter.k_proj, drafter.v_proj, drafter.o_proj, drafter.mlp,
-                    drafter.post_attention_layernorm, slice(h, 2 * h))
+        _copy_layer(
+            theirs,
+            drafter.q_proj,
+            drafter.k_proj,
+            drafter.v_proj,
+            drafter.o_proj,
+            drafter.mlp,
+            drafter.post_attention_layernorm,
+            slice(h, 2 * h),
+        )
         drafter.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
 
 
@@ -65,11 +74,9 @@ def init_dflash_layers(drafter, target, how: str):
     layers = target.model.layers
     n = len(drafter.layers)
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n:],
-                                strict=False):
+        for mine, theirs in zip(
+            drafter.layers, layers[:n] if how == "target-first" else layers[len(layers) - n :], strict=False
+        ):
             att = mine.self_attn
-            _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp,
-                        mine.post_attention_layernorm)
+            _copy_layer(theirs, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mine.mlp, mine.post_attention_layernorm)
             mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
-
-

@@ -19,8 +19,9 @@ def previous_tokens(batch) -> torch.Tensor:
     return batch.tokens.gather(1, (batch.label_positions - 1).clamp(min=0, max=batch.tokens.shape[1] - 1))
 
 
-def dpace_weights(confidence: torch.Tensor, labelled: torch.Tensor, offsets: torch.Tensor, block_size: int,
-                  alpha: float) -> torch.Tensor:
+def dpace_weights(
+    confidence: torch.Tensor, labelled: torch.Tensor, offsets: torch.Tensor, block_size: int, alpha: float
+) -> torch.Tensor:
     """D-PACE position weights (dynamic position-aware cross-entropy), detached.
 
     `confidence` [N, A*B]: the drafter's probability of each labelled position's label (its chance
@@ -31,15 +32,27 @@ def dpace_weights(confidence: torch.Tensor, labelled: torch.Tensor, offsets: tor
     acceptance through (factor 1, weight 0); an unlabelled slot after it (past the sequence's end)
     ends the block."""
     n = confidence.shape[0]
-    q = ((1 - alpha) * confidence.detach().float() + alpha)
+    q = (1 - alpha) * confidence.detach().float() + alpha
     factor = torch.where(labelled, q, (offsets == 0).float()).view(n, -1, block_size)
     reach = torch.cumprod(factor, -1) * labelled.view(n, -1, block_size)
     weight = reach.flip(-1).cumsum(-1).flip(-1)
     return (weight * labelled.view(n, -1, block_size)).view_as(confidence)
 
 
-def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, chunk, to_draft=None,
-                  teacher=None, distill: float = 0.0, markov=None, dpace_alpha: float | None = None):
+def weighted_loss(
+    hidden,
+    lm_head_weight,
+    labels,
+    weights,
+    offsets,
+    block_size,
+    chunk,
+    to_draft=None,
+    teacher=None,
+    distill: float = 0.0,
+    markov=None,
+    dpace_alpha: float | None = None,
+):
     """Chunked LM head + weighted cross-entropy over labelled block positions.
 
     `to_draft` [vocab] maps target ids to draft-vocabulary rows of `lm_head_weight` (-1:
@@ -86,6 +99,7 @@ def weighted_loss(hidden, lm_head_weight, labels, weights, offsets, block_size, 
                 return ce, logits.argmax(-1)
             soft_ce = -(t_probs * torch.log_softmax(logits, -1).gather(1, t_ids)).sum(-1)
             return ce, logits.argmax(-1), soft_ce
+
         args = (h[part_slice],) if t is None else (h[part_slice], t[0][part_slice], t[1][part_slice])
         if remat:
             out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)

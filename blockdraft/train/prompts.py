@@ -27,7 +27,8 @@ from tqdm import tqdm
 from ..datasets import MATH_TEMPLATE, contaminated, eval_fingerprints
 from ..errors import BlockdraftError
 from .answers import AnswerSampling
-from .data import ShardWriter, answer_prompts, iter_samples, shard_paths, tidy_shards
+from .data import ShardWriter, iter_samples, shard_paths, tidy_shards
+from .regen import answer_prompts
 
 # Per domain, the system prompts the target writes user turns under (one is picked per
 # candidate by its id). The chat domain's first is SmolLM2's own default system prompt.
@@ -57,11 +58,14 @@ def prompt_head_ids(tokenizer, system: str) -> list[int]:
     """The chat template up to and including the user header, under `system`."""
     text = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
     head = text + "<|im_start|>user\n"
-    probe = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": "x"}],
-                                          tokenize=False)
+    probe = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": "x"}], tokenize=False
+    )
     if not probe.startswith(head):
-        raise BlockdraftError("self-written prompts need a ChatML chat template (<|im_start|>user ...); this "
-                              "target's template renders a user turn differently")
+        raise BlockdraftError(
+            "self-written prompts need a ChatML chat template (<|im_start|>user ...); this "
+            "target's template renders a user turn differently"
+        )
     return tokenizer(head, add_special_tokens=False).input_ids
 
 
@@ -72,7 +76,7 @@ def _words(text: str) -> list[str]:
 def shingles(text: str, n: int = 4) -> set[int]:
     """Hashes of the text's word n-grams (of the whole text where it has fewer words)."""
     words = _words(text)
-    grams = [" ".join(words[i:i + n]) for i in range(max(1, len(words) - n + 1))]
+    grams = [" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))]
     return {int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8).digest(), "little") for g in grams}
 
 
@@ -112,7 +116,7 @@ def problem(text: str, finish_reason: str, fingerprints: list[str]) -> str | Non
     if sum(ch.isalpha() for ch in text) < 0.4 * len(text.replace(" ", "")):
         return "language"
     lowered = _words(text)
-    trigrams = [tuple(lowered[i:i + 3]) for i in range(len(lowered) - 2)]
+    trigrams = [tuple(lowered[i : i + 3]) for i in range(len(lowered) - 2)]
     if len(trigrams) >= 10 and len(set(trigrams)) < 0.5 * len(trigrams):
         return "repetitive"
     if contaminated(text, fingerprints):
@@ -136,8 +140,10 @@ def prompt_sources(root: str | Path) -> dict[str, Callable[[], Iterator[dict]]]:
         raise BlockdraftError(f"--prompts: {root} is not a folder")
     folders = [root] if shard_paths(root) else [p for p in sorted(root.iterdir()) if p.is_dir() and shard_paths(p)]
     if not folders:
-        raise BlockdraftError(f"--prompts: no prompt shards in {root} or its subfolders "
-                              "(write them with `blockdraft data prompts --synthesize N`)")
+        raise BlockdraftError(
+            f"--prompts: no prompt shards in {root} or its subfolders "
+            "(write them with `blockdraft data prompts --synthesize N`)"
+        )
 
     def records(folder: Path) -> Iterator[dict]:
         for rec in iter_samples(folder):
@@ -146,9 +152,19 @@ def prompt_sources(root: str | Path) -> dict[str, Callable[[], Iterator[dict]]]:
     return {folder.name: (lambda folder=folder: records(folder)) for folder in folders}
 
 
-def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prompt_tokens: int = 256,
-               batch_size: int = 128, sampling: AnswerSampling = PROMPT_SAMPLING, seconds: float | None = None,
-               similarity: float = 0.5, progress: bool = True) -> SynthStats:
+def synthesize(
+    engine,
+    out_dir: str | Path,
+    count: int,
+    domain: str,
+    *,
+    max_prompt_tokens: int = 256,
+    batch_size: int = 128,
+    sampling: AnswerSampling = PROMPT_SAMPLING,
+    seconds: float | None = None,
+    similarity: float = 0.5,
+    progress: bool = True,
+) -> SynthStats:
     """Have the target write user turns of `domain` into `out_dir` until it holds `count` kept
     prompts (resumable; see the module's docstring). Math prompts are asked in the benchmark's
     math template, as the ASDiv source is."""
@@ -160,8 +176,11 @@ def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prom
     out.mkdir(parents=True, exist_ok=True)
     tidy_shards(out)
     rejected_path = out / "rejected.tsv"
-    rejected = dict(line.split("\t", 1) for line in rejected_path.read_text().splitlines() if "\t" in line) \
-        if rejected_path.exists() else {}
+    rejected = (
+        dict(line.split("\t", 1) for line in rejected_path.read_text().splitlines() if "\t" in line)
+        if rejected_path.exists()
+        else {}
+    )
     dedup, kept_ids = NearDuplicates(similarity), set()
     for rec in iter_samples(out):
         dedup.add(rec.get("question", rec["turns"][0]))
@@ -192,7 +211,8 @@ def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prom
         text = engine.tokenizer.decode(sample["answer_ids"], skip_special_tokens=True).strip()
         stats.tokens += len(sample["answer_ids"])
         why = problem(text, sample["finish_reason"], fingerprints) or (
-            "near-duplicate" if dedup.similar(text) else None)
+            "near-duplicate" if dedup.similar(text) else None
+        )
         if stats.kept >= count:
             return  # finished beside the last one needed: not recorded, so a later run redoes it
         if why is not None:
@@ -204,8 +224,13 @@ def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prom
             return
         dedup.add(text)
         turn = MATH_TEMPLATE.format(question=text) if domain == "math" else text
-        record = {"id": sample["id"], "domain": domain, "turns": [turn], "system": sample["system"],
-                  **sampling.fields()}
+        record = {
+            "id": sample["id"],
+            "domain": domain,
+            "turns": [turn],
+            "system": sample["system"],
+            **sampling.fields(),
+        }
         if domain == "math":
             record["question"] = text
         writer.write(record)
@@ -213,9 +238,18 @@ def synthesize(engine, out_dir: str | Path, count: int, domain: str, *, max_prom
         bar.update(1)
 
     try:
-        run = answer_prompts(engine, candidates(), max_new_tokens=max_prompt_tokens, batch_size=batch_size,
-                             sampling=sampling, max_prompt_tokens=max(len(h) for h in heads), seconds=seconds,
-                             until=lambda _s: stats.kept >= count, on_sample=on_sample, share_prefix=False)
+        run = answer_prompts(
+            engine,
+            candidates(),
+            max_new_tokens=max_prompt_tokens,
+            batch_size=batch_size,
+            sampling=sampling,
+            max_prompt_tokens=max(len(h) for h in heads),
+            seconds=seconds,
+            until=lambda _s: stats.kept >= count,
+            on_sample=on_sample,
+            share_prefix=False,
+        )
         stats.seconds = run.seconds
     finally:
         writer.close()

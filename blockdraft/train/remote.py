@@ -38,8 +38,9 @@ class Answer:
 def end_of_turn_id(tokenizer, stop_token_ids: list[int]) -> int | None:
     """The stop token the chat template closes an assistant turn with (what a greedy answer that
     stopped ends with in our samples), found by rendering a short conversation."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], tokenize=True
+    )
     ids = ids["input_ids"] if isinstance(ids, dict) else ids
     found = [t for t in ids if t in set(stop_token_ids)]
     return found[-1] if found else tokenizer.eos_token_id
@@ -49,17 +50,29 @@ class RemoteTarget:
     """A chat-completions endpoint and the target's tokenizer (prompts are made here, the same
     way as in-process; answers are tokenized here when the server returns text only)."""
 
-    def __init__(self, url: str, tokenizer, stop_token_ids: list[int], *, api_key: str | None = None,
-                 model: str | None = None, timeout: float = 600.0, retries: int = 8, concurrency: int = 64,
-                 ask_token_ids: bool = True):
+    def __init__(
+        self,
+        url: str,
+        tokenizer,
+        stop_token_ids: list[int],
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600.0,
+        retries: int = 8,
+        concurrency: int = 64,
+        ask_token_ids: bool = True,
+    ):
         self.url = url.rstrip("/").removesuffix("/v1")
         self.tokenizer, self.end_of_turn = tokenizer, end_of_turn_id(tokenizer, stop_token_ids)
         self.retries = retries
         self.ask_token_ids = ask_token_ids  # request `return_token_ids` (False: for servers that reject it)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=concurrency,
-                                                     max_keepalive_connections=concurrency))
+        self.http = httpx.Client(
+            headers=headers,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        )
         self.model = model or self._request("GET", "/v1/models")["data"][0]["id"]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -81,8 +94,14 @@ class RemoteTarget:
         raise ServerGone(f"{self.url} did not answer after {self.retries + 1} tries ({problem})")
 
     def answer(self, messages: list[dict], *, max_tokens: int, sampling: SamplingParams) -> Answer:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+        }
         if sampling.top_k > 0:  # an extension (vLLM, SGLang, blockdraft serve); sent only when it cuts
             body["top_k"] = sampling.top_k
         if self.ask_token_ids:
@@ -112,9 +131,19 @@ class Refused(BlockdraftError):
     """The server refused one request (HTTP 400, e.g. a prompt too long for it); others go on."""
 
 
-def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_new_tokens: int, concurrency: int,
-                          sampling: AnswerSampling, stats, seconds: float | None = None, until=None,
-                          on_sample=None, bar=None):
+def answer_prompts_remote(
+    remote: RemoteTarget,
+    prompts: Iterator[dict],
+    *,
+    max_new_tokens: int,
+    concurrency: int,
+    sampling: AnswerSampling,
+    stats,
+    seconds: float | None = None,
+    until=None,
+    on_sample=None,
+    bar=None,
+):
     """Keep `concurrency` requests in flight; each finished answer goes to `on_sample` (in the
     calling thread) as soon as it arrives. Stops when the prompts run out, after `seconds` or
     once `until(stats)` holds (requests in flight are then dropped: redone next run), or when
@@ -132,8 +161,9 @@ def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_
                 if p is None:
                     exhausted = True
                     break
-                future = pool.submit(remote.answer, p["messages"], max_tokens=max_new_tokens,
-                                     sampling=sampling.params(p["id"]))
+                future = pool.submit(
+                    remote.answer, p["messages"], max_tokens=max_new_tokens, sampling=sampling.params(p["id"])
+                )
                 inflight[future] = p
             if not inflight or stop:
                 break
@@ -157,8 +187,16 @@ def answer_prompts_remote(remote: RemoteTarget, prompts: Iterator[dict], *, max_
                     stats.prompt_mismatches += 1
                     p = {**p, "prompt_ids": answer.prompt_ids}  # what the answer actually continues
                 if on_sample is not None:
-                    on_sample(make_sample(p, answer.answer_ids, answer.finish_reason, method=f"server:{remote.model}",
-                                          sampling=sampling, max_new_tokens=max_new_tokens))
+                    on_sample(
+                        make_sample(
+                            p,
+                            answer.answer_ids,
+                            answer.finish_reason,
+                            method=f"server:{remote.model}",
+                            sampling=sampling,
+                            max_new_tokens=max_new_tokens,
+                        )
+                    )
                 stats.written += 1
                 if bar is not None:
                     bar.update(1)

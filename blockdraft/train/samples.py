@@ -32,8 +32,13 @@ def sample_key(folder: Path, sample: dict) -> tuple[str, str]:
     return str(folder.resolve()), sample["id"]
 
 
-def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | None = None,
-                     limit_samples: int | None = None, skip: set | frozenset = frozenset()):
+def training_samples(
+    data: str,
+    max_seq_len: int,
+    folder_samples: list[int] | None = None,
+    limit_samples: int | None = None,
+    skip: set | frozenset = frozenset(),
+):
     """What a run with these settings trains on: the training items of the --data folders, in
     folder and shard order, each (sequence cut to max_seq_len, prompt length, sample, folder),
     the first `folder_samples[n]` of folder n, less those whose `sample_key` is in `skip`, the
@@ -42,8 +47,9 @@ def training_samples(data: str, max_seq_len: int, folder_samples: list[int] | No
     folders = data_folders(data)
     for folder in folders:
         if not folder.is_dir():
-            raise BlockdraftError(f"training data folder not found: {folder} "
-                                  "(make it with `blockdraft data regenerate`)")
+            raise BlockdraftError(
+                f"training data folder not found: {folder} (make it with `blockdraft data regenerate`)"
+            )
     if folder_samples is not None and len(folder_samples) != len(folders):
         raise BlockdraftError(f"--folder-samples: one count per --data folder, got {folder_samples}")
     train, valid, counts = [], [], []
@@ -77,13 +83,18 @@ def trained_ids(position: str | Path | None) -> frozenset[tuple[str, str]]:
     state = json.loads(state_file.read_text())
     cfg = state["config"]
     if not cfg.get("limit_samples") and not cfg.get("folder_samples"):
-        raise BlockdraftError(f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
-                              "so which of its folders' samples it trained on is not known")
+        raise BlockdraftError(
+            f"--skip-trained-by: {position} fixed neither --limit-samples nor --folder-samples, "
+            "so which of its folders' samples it trained on is not known"
+        )
     done = trained_ids(cfg.get("skip_trained_by"))
-    train, *_ = training_samples(cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"),
-                                 cfg.get("limit_samples"), done)
+    train, *_ = training_samples(
+        cfg["data"], cfg.get("max_seq_len", 512), cfg.get("folder_samples"), cfg.get("limit_samples"), done
+    )
     seen = state["step"] * cfg["batch_size"] * state.get("processes", 1)
     if seen < len(train):
-        raise BlockdraftError(f"--skip-trained-by: {position} went through {seen:,} sequences, fewer than its "
-                              f"{len(train):,} samples, so not all of them were trained on")
+        raise BlockdraftError(
+            f"--skip-trained-by: {position} went through {seen:,} sequences, fewer than its "
+            f"{len(train):,} samples, so not all of them were trained on"
+        )
     return done | {sample_key(t[3], t[2]) for t in train}

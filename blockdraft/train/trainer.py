@@ -19,13 +19,10 @@ import gc
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,9 +32,9 @@ from ..draft_config import loss_decay_gamma
 from ..errors import BlockdraftError
 from ..models import eos_token_ids, load_target
 from .blocks import build_blocks
-from .config import SETTINGS_BEFORE, TrainConfig, lr_at
+from .config import TrainConfig, lr_at
 from .features import FP16_MAX, TEACHER_TOPK, sequence_key, top_tokens
-from . import evaluate
+from . import checkpoints, evaluate
 from .init import init_from_target
 from .loss import frequent_tokens, previous_tokens, weighted_loss
 from .samples import trained_ids, training_samples
@@ -82,8 +79,9 @@ class Trainer:
         if cfg.draft_layout not in ("mask", "anchor"):
             raise BlockdraftError(f"--draft-layout must be mask or anchor, not {cfg.draft_layout!r}")
         if cfg.draft_layout == "anchor" and cfg.arch != "dflash":
-            raise BlockdraftError("--draft-layout anchor is a DFlash drafter's layout (DSpark's); the "
-                                  f"{cfg.arch} drafter has its own")
+            raise BlockdraftError(
+                f"--draft-layout anchor is a DFlash drafter's layout (DSpark's); the {cfg.arch} drafter has its own"
+            )
         self.shift = int(cfg.draft_layout == "anchor")  # a label's position after its block slot's
         if cfg.epochs and cfg.folder_samples is None and resume and (self.out / "checkpoint" / "state.json").is_file():
             saved = json.loads((self.out / "checkpoint" / "state.json").read_text())["config"]
@@ -107,10 +105,14 @@ class Trainer:
             self._init_from_folder(Path(cfg.init_from))
         self.to_draft = None
         if cfg.draft_vocab and not cfg.init_from:  # a warm start keeps its folder's vocabulary
-            self.drafter.set_draft_vocab(frequent_tokens([s[0][s[1]:] for s in self.samples],
-                                                         [s[0][:s[1]] for s in self.samples],
-                                                         self.drafter.draft_vocab.numel(),
-                                                         self.target.config.vocab_size))
+            self.drafter.set_draft_vocab(
+                frequent_tokens(
+                    [s[0][s[1] :] for s in self.samples],
+                    [s[0][: s[1]] for s in self.samples],
+                    self.drafter.draft_vocab.numel(),
+                    self.target.config.vocab_size,
+                )
+            )
         if cfg.draft_vocab:
             self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
@@ -118,20 +120,27 @@ class Trainer:
         if cfg.feature_cache:
             from .features import FeatureCache
 
-            self.features = FeatureCache(cfg.feature_cache, self.target, self.drafter.config.target_layer_ids,
-                                         self.rank, dtype=cfg.feature_dtype)
+            self.features = FeatureCache(
+                cfg.feature_cache, self.target, self.drafter.config.target_layer_ids, self.rank, dtype=cfg.feature_dtype
+            )
             # the samples this run will see (all of them from its second epoch on)
             seen = min(len(self.samples), cfg.max_steps * cfg.batch_size * self.world)
             order = range(len(self.samples)) if seen == len(self.samples) else self.epoch_order(0)[:seen]
             soft = cfg.distill > 0 and self.kind.soft_labels  # the top tokens are stored too
-            note = self.features.check_space([self.samples[i][0] for i in order],
-                                             answer_starts=[self.samples[i][1] for i in order] if soft else None)
+            note = self.features.check_space(
+                [self.samples[i][0] for i in order], answer_starts=[self.samples[i][1] for i in order] if soft else None
+            )
             if note and self.rank == 0:
                 print(f"train: {note}", file=sys.stderr)
         # fused: one kernel over all parameters (on a CPU 10 ms a step for a 26M-parameter drafter,
         # against 47 ms for the per-parameter loop: ~6% of a step that reads its features from the cache)
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                           weight_decay=cfg.weight_decay, fused=self.device.type in ("cpu", "cuda"))
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+            fused=self.device.type in ("cpu", "cuda"),
+        )
         if resume and (self.out / "checkpoint" / "state.json").is_file():
             self._load_checkpoint()
         self.model = self.drafter
@@ -142,11 +151,14 @@ class Trainer:
 
     def _load_samples(self):
         cfg = self.cfg
-        train, valid, self.folder_counts, _ = training_samples(cfg.data, cfg.max_seq_len, cfg.folder_samples,
-                                                               cfg.limit_samples, trained_ids(cfg.skip_trained_by))
+        train, valid, self.folder_counts, _ = training_samples(
+            cfg.data, cfg.max_seq_len, cfg.folder_samples, cfg.limit_samples, trained_ids(cfg.skip_trained_by)
+        )
         if not train:
-            raise BlockdraftError(f"{cfg.data}: no training samples" + (
-                f" that {cfg.skip_trained_by} did not train on" if cfg.skip_trained_by else ""))
+            raise BlockdraftError(
+                f"{cfg.data}: no training samples"
+                + (f" that {cfg.skip_trained_by} did not train on" if cfg.skip_trained_by else "")
+            )
         self.valid = [t[:3] for t in valid]
         return [t[:3] for t in train]
 
@@ -157,8 +169,13 @@ class Trainer:
             n = len(self.samples)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000003 + epoch)).tolist()
             window = 16 * self.cfg.batch_size * self.world
-            self._orders = {epoch: [i for w in range(0, n, window)
-                                    for i in sorted(perm[w:w + window], key=lambda i: len(self.samples[i][0]))]}
+            self._orders = {
+                epoch: [
+                    i
+                    for w in range(0, n, window)
+                    for i in sorted(perm[w : w + window], key=lambda i: len(self.samples[i][0]))
+                ]
+            }
         return self._orders[epoch]
 
     def batch_indices(self, step: int) -> list[int]:
@@ -168,7 +185,7 @@ class Trainer:
         for j in range(per_step):
             epoch, pos = divmod(step * per_step + j, n)
             out.append(self.epoch_order(epoch)[pos])
-        return out[self.rank::self.world]
+        return out[self.rank :: self.world]
 
     # ---- one step --------------------------------------------------------------------
 
@@ -177,10 +194,17 @@ class Trainer:
         cfg = self.cfg
         idx = self.batch_indices(step)
         gen = torch.Generator().manual_seed((cfg.seed * 7919 + step) * 131 + self.rank)
-        return build_blocks([self.samples[i][0] for i in idx], [self.samples[i][1] for i in idx],
-                            block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                            mask_token_id=cfg.mask_token_id, gamma=self.gamma, generator=gen,
-                            anchor_mode=cfg.anchor_mode, shift=self.shift)
+        return build_blocks(
+            [self.samples[i][0] for i in idx],
+            [self.samples[i][1] for i in idx],
+            block_size=cfg.block_size,
+            num_anchors=cfg.num_anchors,
+            mask_token_id=cfg.mask_token_id,
+            gamma=self.gamma,
+            generator=gen,
+            anchor_mode=cfg.anchor_mode,
+            shift=self.shift,
+        )
 
     def train_step(self) -> dict:
         """One optimizer step. The record's statistics are device tensors (no host sync here);
@@ -190,11 +214,20 @@ class Trainer:
         dev = self.device
         with self.autocast:
             hidden, teacher = self.block_hidden(batch)
-            loss, correct, count = weighted_loss(hidden, self.drafter.head_weight(self.target.lm_head.weight),
-                                                 batch.labels.to(dev), batch.weights.to(dev),
-                                                 batch.offsets.to(dev), cfg.block_size, cfg.lm_head_chunk,
-                                                 self.to_draft, teacher, cfg.distill, self.markov_inputs(batch),
-                                                 self.dpace_alpha)
+            loss, correct, count = weighted_loss(
+                hidden,
+                self.drafter.head_weight(self.target.lm_head.weight),
+                batch.labels.to(dev),
+                batch.weights.to(dev),
+                batch.offsets.to(dev),
+                cfg.block_size,
+                cfg.lm_head_chunk,
+                self.to_draft,
+                teacher,
+                cfg.distill,
+                self.markov_inputs(batch),
+                self.dpace_alpha,
+            )
         lr = lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -203,12 +236,20 @@ class Trainer:
         if cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in self.drafter.parameters()
-                                                              if p.grad is not None]))
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.detach().norm() for p in self.drafter.parameters() if p.grad is not None])
+            )
         self.optimizer.step()
         self.step += 1
-        return {"step": self.step, "loss": loss.detach(), "lr": lr, "grad_norm": grad_norm.detach(),
-                "correct": correct, "count": count, "tokens": int(batch.lengths.sum())}
+        return {
+            "step": self.step,
+            "loss": loss.detach(),
+            "lr": lr,
+            "grad_norm": grad_norm.detach(),
+            "correct": correct,
+            "count": count,
+            "tokens": int(batch.lengths.sum()),
+        }
 
     def markov_inputs(self, batch):
         """(the drafter's Markov head, the token before each block position) or None."""
@@ -246,7 +287,7 @@ class Trainer:
                 compute, no_top = list(range(n)), list(range(n))
                 features = top_ids = top_logp = None
             else:  # read back what is cached; compute, store and round as stored the rest
-                keys = [sequence_key(batch.tokens[i, :lengths[i]].tolist()) for i in range(n)]
+                keys = [sequence_key(batch.tokens[i, : lengths[i]].tolist()) for i in range(n)]
                 features, missing = self.features.get(keys, width, dev, self.dtype)
                 compute = missing
                 if soft:
@@ -271,7 +312,7 @@ class Trainer:
                     start, stop = max(0, int(batch.starts[i]) - 1), lengths[i] - 1  # predicting the answer
                     ids, logp = top_tokens(self.target.logits(final[j, start:stop]))
                     logp = logp.clamp(min=-FP16_MAX).half().float()  # as the cache stores it
-                    top_ids[i, start:stop, :ids.shape[-1]], top_logp[i, start:stop, :ids.shape[-1]] = ids, logp
+                    top_ids[i, start:stop, : ids.shape[-1]], top_logp[i, start:stop, : ids.shape[-1]] = ids, logp
                     if keys is not None:
                         self.features.put_teacher(keys[i], ids, logp, start)
             if soft:  # the label at position p is predicted by the target at p - 1
@@ -284,91 +325,12 @@ class Trainer:
     evaluate_tau = evaluate.decode_tau  # τ in the real decode loop on held-out prompts
     evaluate_blocks = evaluate.teacher_forced  # teacher-forced block acceptance, per-position CE and accuracy
 
-    # ---- checkpoints -----------------------------------------------------------------
-
-    SKIP_ON_RESUME = ("max_steps", "eval_every", "save_every", "data", "out", "feature_cache",
-                      "feature_dtype")  # may change
-
-    def write_position(self, folder: Path, dtype: torch.dtype | None = None):
-        """The drafter's weights (in `dtype`, default their own) and where the run stands (step,
-        tokens, wall time, settings)."""
-        self.drafter.save(folder / "drafter", dtype)
-        (folder / "state.json").write_text(json.dumps({"step": self.step, "tokens_seen": self.tokens_seen,
-                                                       "elapsed": self.elapsed + time.perf_counter() - self._t0,
-                                                       "threads": torch.get_num_threads(), "processes": self.world,
-                                                       "target_dtype": str(self.dtype).removeprefix("torch."),
-                                                       "config": asdict(self.cfg)}, indent=2))
-
-    def save_checkpoint(self):
-        if self.rank != 0:
-            return
-        targets = [(self.out, "checkpoint", True)]
-        if self.position_dir is not None:
-            targets.append((self.position_dir.parent, self.position_dir.name, False))
-        for parent, name, with_optimizer in targets:  # each replaced atomically
-            parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
-            # the committed position (no optimizer state: not bit for bit anyway) is half the size in fp16
-            self.write_position(tmp, None if with_optimizer else torch.float16)
-            if with_optimizer:
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            final = parent / name
-            old = None
-            if final.exists():
-                old = parent / f".{name}.old.{os.getpid()}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _init_from_folder(self, folder: Path):
-        """Warm start from a saved drafter of the same shape (e.g. the shipped one): its weights
-        and draft vocabulary replace the fresh ones; optimizer and schedule start anew. A Markov
-        head or decoder layers past the saved drafter's keep this run's own initialization (a
-        deeper drafter from a shallower one)."""
-        if not (folder / "config.json").is_file():
-            raise BlockdraftError(f"--init-from: no drafter in {folder} (expected config.json + model.safetensors)")
-        loaded = type(self.drafter).load(folder, self.device, torch.float32)
-        mine, theirs = self.drafter.state_dict(), loaded.state_dict()
-        # a Markov head the saved drafter lacks starts fresh (DFlash weights -> a DSpark-style drafter)
-        saved_layers = getattr(loaded.config, "num_hidden_layers", None)
-        fresh = {k: v for k, v in mine.items() if k not in theirs and (
-            k.startswith("markov_head.") or saved_layers is not None and k.startswith("layers.")
-            and int(k.split(".")[1]) >= saved_layers)}
-        theirs = {**theirs, **fresh}
-        bad = sorted(k for k in set(mine) | set(theirs)
-                     if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
-        if bad:
-            raise BlockdraftError(f"--init-from: {folder} has another shape than this run's drafter "
-                                  f"(differs in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); "
-                                  "match --num-layers, --block-size, --draft-vocab, --target-layer-ids")
-        self.drafter.load_state_dict(theirs)
-
-    def _load_checkpoint(self):
-        ck = self.out / "checkpoint"
-        state = json.loads((ck / "state.json").read_text())
-        # settings added since the checkpoint was made
-        defaults = {**asdict(TrainConfig(data="", out="")), **SETTINGS_BEFORE}
-        skip = self.SKIP_ON_RESUME
-        saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
-        now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
-        if saved != now:
-            diff = sorted(k for k in now if saved.get(k) != now[k])
-            raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
-        loaded = type(self.drafter).load(ck / "drafter", self.device, torch.float32)
-        self.drafter.load_state_dict(loaded.state_dict())
-        if (ck / "optimizer.pt").is_file():
-            self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
-        elif self.rank == 0:
-            print(f"train: {ck} holds no optimizer state (a committed position): AdamW's moments start anew at "
-                  f"step {state['step']}; the schedule, data order and anchors continue", file=sys.stderr)
-        self.step = state["step"]
-        self.tokens_seen = state.get("tokens_seen", 0)
-        self.elapsed = state.get("elapsed", 0.0)
-        metrics = self.out / "metrics.jsonl"
-        if self.rank == 0 and metrics.is_file():  # drop records of steps the checkpoint does not hold
-            kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= self.step]
-            metrics.write_text("".join(line + "\n" for line in kept))
+    # ---- checkpoints (`train.checkpoints`) ---------------------------------------------
+    SKIP_ON_RESUME = checkpoints.SKIP_ON_RESUME
+    write_position = checkpoints.write_position  # the weights (fp16 for a position) and where the run stands
+    save_checkpoint = checkpoints.save_checkpoint  # OUT/checkpoint with the optimizer, and the position
+    _init_from_folder = checkpoints.init_from_folder
+    _load_checkpoint = checkpoints.load_checkpoint
 
     # ---- the loop --------------------------------------------------------------------
 
@@ -393,9 +355,11 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             if self.rank == 0:
-                print(f"\ntrain: {signal.Signals(signum).name}: stopping with a checkpoint at the end of this step "
-                      f"({'at the next checkpoint step, ' if self.world > 1 else ''}again to stop at once)",
-                      file=sys.stderr)
+                print(
+                    f"\ntrain: {signal.Signals(signum).name}: stopping with a checkpoint at the end of this step "
+                    f"({'at the next checkpoint step, ' if self.world > 1 else ''}again to stop at once)",
+                    file=sys.stderr,
+                )
 
         for s in self.STOP_SIGNALS:
             signal.signal(s, ask)
@@ -431,10 +395,13 @@ class Trainer:
         stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.drafter.parameters())
-            print(f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
-                  f"block {cfg.block_size}, {cfg.arch} with {self.kind.describe(self.drafter)}, "
-                  f"target layers {self.drafter.config.target_layer_ids}, "
-                  f"{self.world} process(es), from step {self.step}", file=sys.stderr)
+            print(
+                f"train: {len(self.samples)} sequences, drafter {n_params / 1e6:.1f}M params, "
+                f"block {cfg.block_size}, {cfg.arch} with {self.kind.describe(self.drafter)}, "
+                f"target layers {self.drafter.config.target_layer_ids}, "
+                f"{self.world} process(es), from step {self.step}",
+                file=sys.stderr,
+            )
         self.drafter.train()
         self._t0 = time.perf_counter()
         from tqdm import tqdm
@@ -462,15 +429,21 @@ class Trainer:
             if self._stop_now(at_checkpoint):
                 if not at_checkpoint:
                     self.save_checkpoint()
-                bar.write(f"train: stopped at step {self.step} of {cfg.max_steps}, checkpoint in "
-                          f"{self.out / 'checkpoint'}; --resume continues", file=sys.stderr)
+                bar.write(
+                    f"train: stopped at step {self.step} of {cfg.max_steps}, checkpoint in "
+                    f"{self.out / 'checkpoint'}; --resume continues",
+                    file=sys.stderr,
+                )
                 break
         bar.close()
         self.elapsed, self._t0 = self.elapsed + time.perf_counter() - self._t0, time.perf_counter()
         if self.features is not None and self.rank == 0:
-            print(f"train: feature cache {self.features.folder}: {len(self.features)} samples, "
-                  f"{self.features.hits} steps read it whole, {self.features.misses} ran the target for some "
-                  "or all of their samples", file=sys.stderr)
+            print(
+                f"train: feature cache {self.features.folder}: {len(self.features)} samples, "
+                f"{self.features.hits} steps read it whole, {self.features.misses} ran the target for some "
+                "or all of their samples",
+                file=sys.stderr,
+            )
         if self.step < cfg.max_steps:  # stopped at `until` or by a signal: the checkpoint holds the state
             return
         if self.world > 1:  # DDP must leave every process with the same weights
