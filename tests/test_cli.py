@@ -183,7 +183,7 @@ def test_demo_compares_both_dflash_runs_with_hf_greedy(hf_smol, tokenizer):
     """`make demo`'s command: ar, dflash and dflash-cut with the shipped drafter, the texts
     it prints are HF's own greedy answer, and it reports both speedups."""
     prompt = "Write a Python function that adds two numbers."
-    code, out, err = cli("demo", "--prompt", prompt, "--max-new-tokens", "24")
+    code, out, err = cli("demo", "--prompt", prompt, "--max-new-tokens", "24", "--dtype", "float32")  # as HF's
     assert code == 0, err
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True

@@ -336,7 +336,7 @@ def test_a_rerun_tokenizes_only_the_prompts_it_may_still_answer(tmp_path, monkey
     find them answered or too long: a prompt whose every answer of this run is done, or which was
     turned away before under the same tokenizer and prompt cap, is passed over untokenized."""
     from blockdraft import Engine
-    from blockdraft.train import data
+    from blockdraft.train import data, regen
     from blockdraft.train.answers import AnswerSampling
 
     records = [
@@ -361,21 +361,21 @@ def test_a_rerun_tokenizes_only_the_prompts_it_may_still_answer(tmp_path, monkey
         return real(tokenizer, turns)
 
     monkeypatch.setattr(data, "chat_prompt_ids", spy)
-    assert data.regenerate(engine, tmp_path / "a0", **run).written == 3 and len(tokenized) == 4
+    assert regen.regenerate(engine, tmp_path / "a0", **run).written == 3 and len(tokenized) == 4
     tokenized.clear()
-    assert data.regenerate(engine, tmp_path / "a0", **run).written == 0 and tokenized == []
+    assert regen.regenerate(engine, tmp_path / "a0", **run).written == 0 and tokenized == []
     # answer 1 of every prompt, beside answer 0 in the other folder: the three are still to answer
     sampled = dict(sampling=AnswerSampling(0.7, 0.8, 20), first_answer=1, dedup_against=[tmp_path / "a0"])
-    stats = data.regenerate(engine, tmp_path / "a1", **run, **sampled)
+    stats = regen.regenerate(engine, tmp_path / "a1", **run, **sampled)
     assert stats.written + stats.duplicates == 3 and len(tokenized) == 4
     tokenized.clear()
-    assert data.regenerate(engine, tmp_path / "a1", **run, **sampled).written == 0 and tokenized == []
+    assert regen.regenerate(engine, tmp_path / "a1", **run, **sampled).written == 0 and tokenized == []
     # a limit counts the first prompts of the mix, done or not: those are still read, the long one not
-    assert data.regenerate(engine, tmp_path / "a0", limit=2, **run).written == 0 and len(tokenized) == 2
+    assert regen.regenerate(engine, tmp_path / "a0", limit=2, **run).written == 0 and len(tokenized) == 2
     assert "colour colour" not in "".join(tokenized)
     tokenized.clear()
     # under another prompt cap the long prompt is looked at again, and answered
-    assert data.regenerate(engine, tmp_path / "a0", **{**run, "max_prompt_tokens": 256}).written == 1
+    assert regen.regenerate(engine, tmp_path / "a0", **{**run, "max_prompt_tokens": 256}).written == 1
     assert tokenized == ["colour " * 40]
 
 

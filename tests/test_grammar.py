@@ -27,7 +27,7 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string"},
         "age": {"type": "integer"},
-        "hobbies": {"type": "array", "items": {"type": "string"}},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
     },
     "required": ["name", "age", "hobbies"],
     "additionalProperties": False,

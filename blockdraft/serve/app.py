@@ -104,8 +104,8 @@ class Server:
             raise ApiError(400, str(exc)) from None
         try:
             while True:
-                try:
-                    h = await asyncio.wait_for(events.get(), timeout=1.0)
+                try:  # a tenth of a second between looks at the connection: requests take that long now
+                    h = await asyncio.wait_for(events.get(), timeout=0.1)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise ClientGone("while its request waited or ran") from None
@@ -118,6 +118,8 @@ class Server:
                     )
                 while not events.empty():
                     events.get_nowait()
+                if h.done and not stream and await request.is_disconnected():
+                    raise ClientGone("before its answer was sent")
                 delta = self.engine.text_delta(row, h.state)
                 ended = h.done
                 yield delta, h, ended
