@@ -7,7 +7,9 @@ the drafter is given (`drafter.head`), not a flag on its class:
 - `FloatHead` (default): `F.linear` over the rows, gathered once outside autograd;
 - `PackedHead`: the same through prepacked weights (`models.packed.WeightPacks`, given by
   `pack_drafter`);
-- `Int8Head`: from int8 copies of the rows (`quantize_drafter`), inference only.
+- `Int8Head`: from int8 copies of the rows (`quantize_drafter`), inference only;
+- `NativeHead`: bf16 rows through blockdraft's native kernel (`models.native`; `pack_drafter`
+  on a CPU with AVX512-BF16), inference only.
 
 This module stands between drafters and kernels: it knows both, the kernels (`models.packed`,
 `models.quant`) know nothing of heads.
@@ -67,6 +69,17 @@ class PackedHead(FloatHead):
         return self.packs.linear(flat, self.rows(lm_head_weight, vocab))
 
 
+class NativeHead(FloatHead):
+    name = "native"
+
+    def logits(self, flat, lm_head_weight, vocab):
+        if torch.is_grad_enabled() or flat.dtype != torch.bfloat16:
+            return super().logits(flat, lm_head_weight, vocab)
+        from .models import native
+
+        return native.linear(flat.contiguous(), self.rows(lm_head_weight, vocab).contiguous())
+
+
 class Int8Head(FloatHead):
     name = "int8"
 
@@ -87,8 +100,15 @@ def pack_drafter(drafter: nn.Module) -> int:
     """A drafter's products through prepacked weights (fp32 on CPU: `models.packed`), its LM-head
     rows included (`PackedHead`); returns how many linears were packed."""
     swapped = pack_linears(drafter)
-    if packing_available() and type(getattr(drafter, "head", None)) is FloatHead:
-        drafter.head = PackedHead(WeightPacks())
+    head = getattr(drafter, "head", None)
+    if type(head) is FloatHead:
+        from .models import native
+
+        params = list(drafter.parameters())
+        if params and params[0].dtype == torch.bfloat16 and params[0].device.type == "cpu" and native.available():
+            drafter.head = NativeHead()  # bf16 rows: the native kernel (oneDNN's bf16 product is slower here)
+        elif packing_available():
+            drafter.head = PackedHead(WeightPacks())
     return swapped
 
 

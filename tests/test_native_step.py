@@ -103,3 +103,35 @@ def test_the_step_is_off_where_it_does_not_apply(tmp_path, monkeypatch):
     monkeypatch.setenv(native_step.ENV, "0")
     model = load_target(tmp_path, dtype=torch.bfloat16)
     assert exact.make_exact(model)["step"] == f"eager: {native_step.ENV}=0" and model.native_step is None
+
+
+def test_a_bf16_drafter_scores_its_head_rows_through_the_native_kernel():
+    """A bf16 drafter on this CPU scores its head rows through the native kernel (`pack_drafter`
+    gives it `NativeHead`): the float head's logits, for the whole vocabulary and a draft vocabulary."""
+    from blockdraft.draft import DFlashDrafter, DraftConfig
+    from blockdraft.draft_head import FloatHead, NativeHead, pack_drafter
+    from blockdraft.models.config import TargetConfig
+
+    cfg = TargetConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 300,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    drafter = DFlashDrafter(DraftConfig.for_target(cfg, num_layers=1, block_size=4, mask_token_id=1)).bfloat16()
+    pack_drafter(drafter)
+    assert type(drafter.head) is NativeHead
+
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(300, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16()
+    vocab = torch.tensor([3, 1, 299, 42])
+    with torch.inference_mode():
+        for v in (None, vocab):
+            got, ref = NativeHead().logits(x, w, v), FloatHead().logits(x.float(), w.float(), v)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
