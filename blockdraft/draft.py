@@ -26,6 +26,7 @@ from torch import nn
 from .checkpoint import load_weights, write_model_folder
 from .errors import BlockdraftError
 from .models.config import TargetConfig
+from .models import native
 from .models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, attend
 
 # (DraftConfig is also imported from here, with the drafter it configures)
@@ -200,7 +201,7 @@ class DrafterBase(nn.Module):
         out, tokens = [], []
         for k in range(base.shape[1]):
             logits = self._corrected(base[:, k], previous)
-            previous = self.to_target_ids(logits.argmax(-1))
+            previous = self.to_target_ids(native.argmax(logits))
             out.append(logits)
             tokens.append(previous)
         if not tokens:
@@ -219,7 +220,7 @@ class DrafterBase(nn.Module):
         [B, n, H] with `previous` [B], the token before it, where the drafter has a Markov head)."""
         if getattr(self, "markov_head", None) is not None and previous is not None:
             return self.markov_chain(hidden, lm_head_weight, previous)[0]
-        return self.to_target_ids(self.draft_logits(hidden, lm_head_weight).argmax(-1))
+        return self.to_target_ids(native.argmax(self.draft_logits(hidden, lm_head_weight)))
 
     def best_allowed(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: int, mask: torch.Tensor

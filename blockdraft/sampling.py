@@ -152,7 +152,9 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, params: list[Sa
     `positions` [B, T]; row b uses params[b] (greedy rows take the argmax)."""
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if len(rows) < len(params):
-        tokens = logits.argmax(-1)
+        from .models.native import argmax
+
+        tokens = argmax(logits)
         if not rows:
             return tokens
     else:

@@ -135,3 +135,18 @@ def test_a_bf16_drafter_scores_its_head_rows_through_the_native_kernel():
             got, ref = NativeHead().logits(x, w, v), FloatHead().logits(x.float(), w.float(), v)
             assert got.shape == ref.shape
             torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_native_argmax_is_torchs(dtype):
+    """Greedy decoding's argmax (`native.argmax`): torch's answer on every row, the first of tied
+    maxima included (bf16 logits tie often), a row holding a NaN included, any vocabulary size."""
+    gen = torch.Generator().manual_seed(9)
+    for n in (1, 15, 16, 17, 49152):
+        x = (torch.randn(6, n, generator=gen) * 3).round().to(dtype)  # coarse values: many ties
+        x[1] = 0.0
+        if n > 2:
+            x[2, n // 2] = float("nan")
+            x[3, -1] = x[3].max() + 1
+        assert torch.equal(native.argmax(x), x.argmax(-1))
+        assert torch.equal(native.argmax(x.view(2, 3, n)), x.view(2, 3, n).argmax(-1))
