@@ -1,6 +1,6 @@
-"""fp32 vs int8 drafter weights, side by side (the figures the README quotes for `--draft-weights`).
+"""Float (the target's dtype) vs int8 drafter weights, side by side (docs/cli.md, `--draft-weights`).
 
-Two engines on the same target, one with fp32 drafters and one with int8 copies
+Two engines on the same target, one with float drafters and one with int8 copies
 (`draft_head.quantize_drafter`); every prompt runs each method on both, in alternating
 order, greedy. Prints per method and dataset: tau, the drafter's ms per step, the verify ms
 per step, tokens/s (median over prompts) and the int8 / fp32 ratio of tokens/s (median
@@ -75,13 +75,14 @@ def main():
                     flush=True,
                 )
     folder = getattr(engines["float"].drafter_for("dflash"), "folder", None)
+    fl = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(engines["float"].weights, "float")
     lines = [
-        f"{machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads, drafter "
-        f"{folder.name if folder else '(unsaved)'}, {args.max_samples} prompts a set, "
-        f"{args.max_new_tokens} new tokens, greedy:",
+        f"{machine_info(engines['float'])['processor']}, {torch.get_num_threads()} threads, target "
+        f"{engines['float'].weights}, drafter {folder.name if folder else '(unsaved)'} in {fl} and in int8, "
+        f"{args.max_samples} prompts a set, {args.max_new_tokens} new tokens, greedy:",
         "",
-        "| dataset | method | τ fp32 | τ int8 | draft ms/step fp32 | int8 | verify ms/step | tok/s fp32 | "
-        "tok/s int8 | int8 / fp32 (median per prompt) | same tokens |",
+        f"| dataset | method | τ {fl} | τ int8 | draft ms/step {fl} | int8 | verify ms/step | tok/s {fl} | "
+        f"tok/s int8 | int8 / {fl} (median per prompt) | same tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.dataset.split(","):
