@@ -27,7 +27,7 @@ import torch
 from blockdraft.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from experiments import records  # noqa: E402  (benchmarks/experiments.py)
+from experiment_runs import records  # noqa: E402  (benchmarks/experiment_runs.py)
 
 DEST = Path(__file__).resolve().parent.parent / "blockdraft" / "shipped" / "smollm2-135m-instruct-dflash"
 EAGLE_DEST = DEST.parent / "smollm2-135m-instruct-eagle3"
