@@ -9,11 +9,7 @@ import sys
 from ..errors import BlockdraftError
 
 
-def add_model_args(p: argparse.ArgumentParser):
-    p.add_argument("--target", help="local HF model folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
-    p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3; default: the shipped one)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+def add_dtype_arg(p: argparse.ArgumentParser):
     p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16", "q4_1"],
@@ -22,6 +18,21 @@ def add_model_args(p: argparse.ArgumentParser):
         "(AMX, AVX512-BF16), else fp32; q4_1: the target's linear layers from 4-bit weights "
         "(CPU; the default target's GGUF values)",
     )
+
+
+def dtype_of(name: str | None):
+    """The `--dtype` value as `Engine.load` takes it: a torch dtype, or "auto" / "q4_1" / None as given."""
+    import torch
+
+    return name if name in ("q4_1", "auto", None) else getattr(torch, name)
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--target", help="local HF model folder (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--draft", help="DFlash drafter folder (default: the one shipped for the default target)")
+    p.add_argument("--eagle", help="EAGLE-3-style drafter folder (method eagle3; default: the shipped one)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    add_dtype_arg(p)
     p.add_argument(
         "--draft-window",
         type=int,
@@ -57,13 +68,12 @@ def add_sampling_args(p: argparse.ArgumentParser):
 def load_engine(args, method_names: list[str]):
     """The engine, with the DFlash drafter loaded when one of the methods needs it (other
     shipped drafters load on first use); unknown methods fail here, before any loading."""
-    import torch
 
     from .. import drafters, methods
     from ..engine import Engine
 
     specs = [methods.parse(m, include_peers=True)[0] for m in method_names]
-    dtype = args.dtype if args.dtype in ("q4_1", "auto", None) else getattr(torch, args.dtype)
+    dtype = dtype_of(args.dtype)
     engine = Engine.load(
         args.target,
         args.draft,

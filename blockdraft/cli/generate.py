@@ -5,7 +5,16 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_model_args, add_sampling_args, load_engine, sampling_kwargs, spec_from, tree_budget
+from .common import (
+    add_dtype_arg,
+    add_model_args,
+    add_sampling_args,
+    dtype_of,
+    load_engine,
+    sampling_kwargs,
+    spec_from,
+    tree_budget,
+)
 
 
 def grammar_from(args):
@@ -80,11 +89,10 @@ def cmd_demo(args) -> int:
     from ..engine import Engine
     from ..models.default import DEFAULT_MASK_TOKEN_ID
 
-    import torch
-
-    dtype = args.dtype if args.dtype in ("auto", "q4_1") else getattr(torch, args.dtype)
-    engine = Engine.load(args.target, args.draft, dtype=dtype)
+    engine = Engine.load(args.target, args.draft, dtype=dtype_of(args.dtype))
     if engine.drafter is None:
+        import torch
+
         print(
             f"note: {engine.draft_note}.\n      The demo uses an UNTRAINED (random) drafter: the output is "
             "still exactly the target's, but tau is ~1 and there is no speedup.\n",
@@ -131,10 +139,5 @@ def register(sub, methods) -> None:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--target")
     d.add_argument("--draft")
-    d.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16", "q4_1"],
-        default="auto",
-        help="the target's precision (default auto: bf16 where this CPU multiplies it faster, else fp32)",
-    )
+    add_dtype_arg(d)
     d.set_defaults(func=cmd_demo)

@@ -1,8 +1,17 @@
 // blockdraft's native CPU kernels (built on first use by blockdraft/models/native.py).
 #pragma once
+#include <immintrin.h>
 #include <torch/extension.h>
 
 namespace blockdraft {
+
+// The first min(left, 16) of 16 lanes (a masked tail of a loop in steps of 16).
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// 16 bf16 values (the lanes outside m read as zero) as fp32.
+inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 
 // y[r, n] = sum_k x[r, k] w[n, k] (+ b[n]), rounded to bf16 once; row-independent (native_linear.cpp).
 void product_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,

@@ -200,16 +200,13 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     const bool half = x.scalar_type() == at::kBFloat16;
     for (int64_t r = 0; r < R; ++r) {
         auto load = [&](int64_t i, __mmask16 m) {
-            if (half) {
-                const at::BFloat16* p = x.data_ptr<at::BFloat16>() + r * N + i;
-                return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-            }
-            return _mm512_maskz_loadu_ps(m, x.data_ptr<float>() + r * N + i);
+            return half ? blockdraft::load16(x.data_ptr<at::BFloat16>() + r * N + i, m)
+                        : _mm512_maskz_loadu_ps(m, x.data_ptr<float>() + r * N + i);
         };
         __m512 best = _mm512_set1_ps(-INFINITY);
         __mmask16 nan = 0;
         for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 m = N - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - i)) - 1);
+            const __mmask16 m = blockdraft::lanes(N - i);
             const __m512 v = load(i, m);
             nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
             best = _mm512_mask_max_ps(best, m, best, v);
@@ -221,7 +218,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
         o[r] = -1;
         for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 m = N - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - i)) - 1);
+            const __mmask16 m = blockdraft::lanes(N - i);
             const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load(i, m), top, _CMP_EQ_OQ);
             if (hit) {
                 o[r] = i + __builtin_ctz(hit);

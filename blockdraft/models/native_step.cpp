@@ -36,12 +36,11 @@ struct Layer {
 };
 constexpr size_t PER_LAYER = 12;
 
-// 16 bf16 values (the lanes past m zero) as fp32, and back with round-to-nearest-even
-inline __m512 load16(const bf16* p, __mmask16 m = 0xFFFF) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using blockdraft::lanes;
+using blockdraft::load16;
+
+// 16 fp32 values (the lanes outside m left alone) into bf16, rounded to nearest even
 inline void store16(bf16* p, __m512 v, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 // a = bf16(a + b), n values
 void add(bf16* a, const bf16* b, int64_t n) {
