@@ -53,9 +53,14 @@ class DraftCache(nn.Module):
     where writes of uncommitted positions land; memory and attention cost stay flat however
     long the sequence grows."""
 
-    def __init__(self, cfg: DraftConfig, batch: int, max_len: int, dtype, device, window: int | None = None):
+    def __init__(
+        self, cfg: DraftConfig, batch: int, max_len: int, dtype, device, window: int | None = None, extra: int = 0
+    ):
         super().__init__()
         slots = max_len if window is None else window + 1
+        # `extra` slots past those: where the native pass puts a block's own keys and values
+        self.block_slot, self.extra = slots, extra
+        slots += extra
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -151,6 +156,9 @@ class MarkovHead(nn.Module):
 class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
+    native = None  # a `draft_native.NativeDraft` runs the decode pass when set (`use_native_draft`)
+    draft_pass = "eager"  # which pass decodes, as `Engine.precision` reports it
+
     def __init__(self):
         super().__init__()
         self.head = FloatHead()  # how it scores its LM-head rows: a back-end it is given (`draft_head`)
@@ -219,7 +227,8 @@ class DrafterBase(nn.Module):
         """Greedy draft token ids (target ids) from final hidden states [..., H] (a block's
         [B, n, H] with `previous` [B], the token before it, where the drafter has a Markov head)."""
         if getattr(self, "markov_head", None) is not None and previous is not None:
-            return self.markov_chain(hidden, lm_head_weight, previous)[0]
+            fused = None if self.native is None else self.native.greedy(hidden, lm_head_weight, previous)
+            return self.markov_chain(hidden, lm_head_weight, previous)[0] if fused is None else fused
         return self.to_target_ids(native.argmax(self.draft_logits(hidden, lm_head_weight)))
 
     def best_allowed(
@@ -335,6 +344,10 @@ class DFlashDrafter(DrafterBase):
         every block query sees cached context at positions strictly before its anchor
         (`positions[:, 0]`) plus its whole block; `rows` picks the cache's batch rows.
         """
+        if cache is not None and self.native is not None and self.native.fits(cache, rows, positions.shape[1]):
+            if context is not None:
+                self.write_context(cache, context, context_positions, rows)
+            return self.native.block(noise_embedding, positions, cache, rows)
         cos, sin = self.rotary(positions, noise_embedding.dtype)
         if cache is None:
             fused = self.hidden_norm(self.fc(context))
@@ -356,7 +369,7 @@ class DFlashDrafter(DrafterBase):
             if cache is None:
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)
             else:
-                ctx_k, ctx_v = cache.k[i, rows, :, :used], cache.v[i, rows, :, :used]
+                ctx_k, ctx_v = cache.k[i, rows, :, :used].to(x.dtype), cache.v[i, rows, :, :used].to(x.dtype)
             window = self.config.window(i)
             if window is not None and window not in windowed:
                 key_pos = context_positions if cache is None else keys
@@ -375,13 +388,15 @@ class DFlashDrafter(DrafterBase):
         """Project context features [B, C, k*H] into every layer's cached K/V at their
         positions [B, C], for batch rows `rows` (the KV injection, done once per token).
         `valid` [B]: each row's committed length after this write (needed with a window)."""
-        fused = self.hidden_norm(self.fc(context))
-        cos, sin = self.rotary(positions, fused.dtype)
         index = torch.arange(positions.shape[0], device=positions.device)[:, None]
         slots = cache.slots(positions, valid)
         if cache.window is not None:
             cache.pos[rows][index, slots] = positions
             cache.pos[rows, cache.window] = -1  # the scratch slot holds nothing
+        if self.native is not None and cache.k.dtype == torch.float32 and rows.step in (None, 1):
+            return self.native.write_context(cache, context, positions, slots, rows)
+        fused = self.hidden_norm(self.fc(context))
+        cos, sin = self.rotary(positions, fused.dtype)
         for i, layer in enumerate(self.layers[: self.context_layers]):
             k, v = layer.self_attn.keys_values(fused, cos, sin)
             cache.k[i, rows].transpose(1, 2)[index, slots] = k.transpose(1, 2)
@@ -389,6 +404,8 @@ class DFlashDrafter(DrafterBase):
 
     def new_cache(self, batch: int, max_len: int, window: int | None = None) -> DraftCache:
         w = self.norm.weight  # (fp32 whatever the linears hold: int8 drafters keep fp32 norms)
+        if self.native is not None:  # fp32, as `llama_forward` reads a cache, and slots for a block
+            return DraftCache(self.config, batch, max_len, torch.float32, w.device, window, self.native.extra_slots)
         return DraftCache(self.config, batch, max_len, w.dtype, w.device, window)
 
     def check_target(self, target: TargetConfig):

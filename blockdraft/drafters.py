@@ -70,10 +70,12 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
         quantize_drafter(module)
     if packed:
         from .draft_head import pack_drafter
+        from .draft_native import use_native_draft
         from .models.exact import native_linears
 
         pack_drafter(module)
         native_linears(module)
+        use_native_draft(module)
     return module
 
 

@@ -229,14 +229,18 @@ class Engine:
         return engine
 
     def precision(self) -> dict:
-        """What the target runs in and why: {"dtype", "dtype_reason", "exact", "step"} ("exact":
-        every verified token's logits are, bit for bit, those of a plain step, see `models.exact`;
-        "step": "native" for the fused step of `models.native_step`, else "eager: <why>")."""
+        """What the target runs in and why: {"dtype", "dtype_reason", "exact", "step", "draft"}
+        ("exact": every verified token's logits are, bit for bit, those of a plain step, see
+        `models.exact`; "step": "native" for the fused step of `models.native_step`, else
+        "eager: <why>"; "draft": the same for the DFlash drafter's pass, `draft_native`, None
+        without a drafter)."""
         exactness = getattr(self.target, "exactness", None)
         quantization = getattr(self.target, "quantization", None)
         exact = exactness["exact"] if exactness else bool(quantization and quantization.get("exact_attention"))
         step = (exactness or {}).get("step") or ("eager: quantized weights" if quantization else "eager")
-        return {"dtype": self.weights, "dtype_reason": self.dtype_reason, "exact": exact, "step": step}
+        drafter = getattr(self, "drafter", None)
+        draft = None if drafter is None else getattr(drafter, "draft_pass", "eager")
+        return {"dtype": self.weights, "dtype_reason": self.dtype_reason, "exact": exact, "step": step, "draft": draft}
 
     def load_drafter(self, kind: str, folder):
         """A drafter folder of that kind, ready to decode with this engine's target, draft weights

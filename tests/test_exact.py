@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from blockdraft.batcher import generate_steps
 from blockdraft.draft import DFlashDrafter, DraftConfig
+from blockdraft.draft_native import use_native_draft
 from blockdraft.models import exact, load_target, native
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sampling import SamplingParams
@@ -83,8 +84,8 @@ def tiny_path(tmp_path_factory):
 
 
 def tiny(path, dtype, step="native"):
-    """The tiny target in exact mode; `step`: "native" keeps the fused step where this machine runs
-    it (bf16 with AVX512-BF16), "eager" turns it off."""
+    """The tiny target in exact mode and a random drafter; `step`: "native" keeps the fused step and
+    draft pass where this machine runs them (bf16 with AVX512-BF16), "eager" turns them off."""
     target = load_target(path, dtype=dtype)
     summary = exact.make_exact(target)
     assert summary["exact"] and summary["attention_chunk"] == exact.ATTENTION_CHUNK
@@ -93,7 +94,10 @@ def tiny(path, dtype, step="native"):
         target.native_step = None
     torch.manual_seed(3)
     cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=63)
-    return target, DFlashDrafter(cfg).to(dtype).eval()
+    drafter = DFlashDrafter(cfg).to(dtype).eval()
+    if step == "native":  # the drafter's pass too (`draft_native`), where the target's step is fused
+        assert (use_native_draft(drafter) == "native") == (summary["step"] == "native")
+    return target, drafter
 
 
 def prompts24():

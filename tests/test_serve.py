@@ -409,7 +409,7 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
     assert "blockdraft_running_batch_size" in metrics and "blockdraft_queue_depth" in metrics
     assert re.search(
         r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+",'
-        r'step="[^"]+"\} 1',
+        r'step="[^"]+",draft="[^"]+"\} 1',
         metrics,
     )
     served = [

@@ -120,7 +120,7 @@ def cmd_demo(args) -> int:
         + ", ".join(f"{out.method} {out.tokens_per_second / ar.tokens_per_second:.2f}x" for out in runs)
     )
     p = engine.precision()
-    print(f"target: {p['dtype']} ({p['dtype_reason']}), exact: {p['exact']}, step: {p['step']}")
+    print(f"target: {p['dtype']} ({p['dtype_reason']}), exact: {p['exact']}, step: {p['step']}, draft: {p['draft']}")
     return 0
 
 

@@ -21,6 +21,16 @@ void product_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat
 void product_packed(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat16* b, at::BFloat16* y,
                     int64_t R, int64_t K, int64_t N);
 
+// y = bf16(w * x / rms(x)) for one row of n values; the sum of squares in one order (native_step.cpp).
+void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t n, float eps);
+
+// Optional norm (q/k norm, `norm` may be null) and rotary embedding of one head of d values in place
+// (cos / sin: the position's fp32 rows, the sin row carrying the rotation's sign; native_step.cpp).
+void rotate(at::BFloat16* x, const at::BFloat16* norm, const float* cos, const float* sin, int64_t d, float eps);
+
+// The index of the first maximum of n bf16 values, -1 if one is a NaN (native_linear.cpp).
+int64_t first_max(const at::BFloat16* x, int64_t n);
+
 }  // namespace blockdraft
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
@@ -30,3 +40,10 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin,
     std::vector<torch::Tensor> weights, torch::Tensor final_norm, std::vector<int64_t> capture, int64_t last,
     bool final_hidden, double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate);
+
+void dflash_context(torch::Tensor features, torch::Tensor positions, torch::Tensor slots, torch::Tensor k_cache,
+                    torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin, torch::Tensor fc,
+                    torch::Tensor hidden_norm, std::vector<torch::Tensor> kv, double eps, int64_t hidden);
+
+torch::Tensor markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t vocab_rows, torch::Tensor w1,
+                            torch::Tensor w2, torch::Tensor vocab, torch::Tensor previous);

@@ -188,42 +188,50 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, c10::optional
     return y;
 }
 
+namespace {
+
+// The first maximum of n values read 16 at a time by load(i, mask) (lanes outside the mask as zero),
+// -1 if one is a NaN. Two passes: the maximum, then its first position.
+template <typename Load>
+int64_t first_max_of(Load load, int64_t n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = blockdraft::lanes(n - i);
+        const __m512 v = load(i, m);
+        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        best = _mm512_mask_max_ps(best, m, best, v);
+    }
+    if (nan) return -1;
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = blockdraft::lanes(n - i);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load(i, m), top, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return -1;
+}
+
+}  // namespace
+
+int64_t blockdraft::first_max(const at::BFloat16* x, int64_t n) {
+    return first_max_of([x](int64_t i, __mmask16 m) { return blockdraft::load16(x + i, m); }, n);
+}
+
 // The index of each row's maximum, the first one where several tie (torch.argmax's answer), for
-// bf16 or fp32 rows [R, N]; -1 for a row holding a NaN (the caller asks torch for those). Two passes
-// of 16 lanes: the maximum, then its first position.
+// bf16 or fp32 rows [R, N]; -1 for a row holding a NaN (the caller asks torch for those).
 torch::Tensor argmax_rows(torch::Tensor x) {
     TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), "x: [R, N]");
     x = x.contiguous();
     const int64_t R = x.size(0), N = x.size(1);
     auto out = torch::empty({R}, x.options().dtype(at::kLong));
     int64_t* o = out.data_ptr<int64_t>();
-    const bool half = x.scalar_type() == at::kBFloat16;
     for (int64_t r = 0; r < R; ++r) {
-        auto load = [&](int64_t i, __mmask16 m) {
-            return half ? blockdraft::load16(x.data_ptr<at::BFloat16>() + r * N + i, m)
-                        : _mm512_maskz_loadu_ps(m, x.data_ptr<float>() + r * N + i);
-        };
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 m = blockdraft::lanes(N - i);
-            const __m512 v = load(i, m);
-            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-            best = _mm512_mask_max_ps(best, m, best, v);
-        }
-        if (nan) {
-            o[r] = -1;
-            continue;
-        }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-        o[r] = -1;
-        for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 m = blockdraft::lanes(N - i);
-            const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load(i, m), top, _CMP_EQ_OQ);
-            if (hit) {
-                o[r] = i + __builtin_ctz(hit);
-                break;
-            }
+        if (x.scalar_type() == at::kBFloat16) {
+            o[r] = blockdraft::first_max(x.data_ptr<at::BFloat16>() + r * N, N);
+        } else {
+            const float* row = x.data_ptr<float>() + r * N;
+            o[r] = first_max_of([row](int64_t i, __mmask16 m) { return _mm512_maskz_loadu_ps(m, row + i); }, N);
         }
     }
     return out;
@@ -234,4 +242,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("linear_packed", &linear_packed, "linear_bf16 from a weight packed by native.pack");
     m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");
     m.def("llama_forward", &llama_forward, "a whole cached forward of a Llama-family target, row-independent");
+    m.def("dflash_context", &dflash_context, "a DFlash drafter's KV injection of new context features");
+    m.def("markov_greedy", &markov_greedy, "a DSpark drafter's greedy Markov-head chain over a block");
 }

@@ -50,8 +50,10 @@ void add(bf16* a, const bf16* b, int64_t n) {
     }
 }
 
+}  // namespace
+
 // y = bf16(w * x / rms(x)) per row; the sum of squares in one order (16 lanes, then across them)
-void rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
+void blockdraft::rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 v = load16(x + i, lanes(n - i));
@@ -64,14 +66,11 @@ void rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
     }
 }
 
-void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * n, w, y + r * n, n, eps);
-}
 
 // q/k norm (Qwen3) and rotary embedding of one head in place: x[i] * cos[i] + x[(i + D/2) % D] * sin[i]
 // (the sin table carries the sign of the rotation), rounded once; 16 lanes at a time where D/2 is a
 // multiple of 16, else one value at a time (a model always takes the same path)
-void rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps) {
+void blockdraft::rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps) {
     if (d % 32 == 0 && d <= 512) {
         const int64_t C = d / 16;
         __m512 v[32];
@@ -103,6 +102,14 @@ void rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64
     }
     const int64_t h = d / 2;
     for (int64_t i = 0; i < d; ++i) x[i] = bf16(v[i] * cos[i] + v[(i + h) % d] * sin[i]);
+}
+
+namespace {
+
+using blockdraft::rotate;
+
+void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r) blockdraft::rms_norm_row(x + r * n, w, y + r * n, n, eps);
 }
 
 // e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error

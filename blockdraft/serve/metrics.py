@@ -16,8 +16,8 @@ class Metrics:
         if precision is not None:  # what the target runs in and why (`Engine.precision`), as an info gauge
             info = Gauge(
                 p + "target_precision_info",
-                "The target's dtype, why it was chosen, whether speculation is bit-exact, and which step runs",
-                ["dtype", "exact", "reason", "step"],
+                "The target's dtype, why it was chosen, whether speculation is bit-exact, its step and draft pass",
+                ["dtype", "exact", "reason", "step", "draft"],
                 registry=r,
             )
             info.labels(
@@ -25,6 +25,7 @@ class Metrics:
                 str(precision["exact"]).lower(),
                 precision["dtype_reason"],
                 precision.get("step", "eager"),
+                precision.get("draft") or "none",
             ).set(1)
         self.requests = Counter(p + "requests", "Finished HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
