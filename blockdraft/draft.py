@@ -278,6 +278,9 @@ class DrafterBase(nn.Module):
                     "a drafter with a Markov head has per-branch candidates (each position "
                     "depends on the token before it): use markov_candidates for a tree"
                 )
+            fused = None if self.native is None else self.native.greedy(hidden, lm_head_weight, previous, probs=True)
+            if fused is not None:
+                return fused[0][..., None], fused[1][..., None]
             tokens, logits = self.markov_chain(hidden, lm_head_weight, previous)
             probs = torch.softmax(logits.float(), dim=-1).max(-1).values
             return tokens[..., None], probs[..., None]

@@ -180,10 +180,10 @@ class NativeDraft:
         )
         return hidden
 
-    def greedy(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
+    def greedy(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous: torch.Tensor, probs: bool = False):
         """A Markov-head drafter's greedy chain over blocks' hidden states [B, n, H] after tokens
-        `previous` [B]: target ids [B, n]; None where it cannot run natively (the caller's
-        eager chain then runs)."""
+        `previous` [B]: target ids [B, n], and with `probs` (tokens, each one's probability
+        [B, n] fp32); None where it cannot run natively (the caller's eager chain then runs)."""
         d = self.drafter
         if hidden.dtype != torch.bfloat16 or lm_head_weight.dtype != torch.bfloat16:
             return None
@@ -192,7 +192,7 @@ class NativeDraft:
         markov = d.markov_head
         w2 = d.head.keep("markov-w2", markov.markov_w2.weight, None, lambda: native.pack(markov.markov_w2.weight))
         rows = vocab.numel() if vocab is not None else lm_head_weight.shape[0]
-        tokens = native.module().markov_greedy(
+        tokens, p = native.module().markov_greedy(
             hidden,
             head,
             rows,
@@ -200,13 +200,19 @@ class NativeDraft:
             w2,
             vocab if vocab is not None else torch.empty(0, dtype=torch.long),
             previous.to(torch.long),
+            probs,
         )
-        return None if bool((tokens < 0).any()) else tokens
+        if bool((tokens < 0).any()):
+            return None
+        return (tokens, p) if probs else tokens
 
 
 def use_native_draft(drafter) -> str:
     """Give `drafter` the native pass where it runs; returns "native" or "eager: <why>"."""
     why = unsupported(drafter)
     drafter.native = None if why else NativeDraft(drafter)
+    if drafter.native is not None:  # packed now: a first draft pass that packs is measured as a slow one
+        drafter.native.layer_weights()
+        drafter.native.context_weights()
     drafter.draft_pass = "native" if why is None else f"eager: {why}"
     return drafter.draft_pass

@@ -114,7 +114,7 @@ def test_distribution_check_and_lookup_sanity(draft_dir):
     from blockdraft.bench.runner import distribution_check, run_bench
     from blockdraft.engine import Engine
 
-    engine = Engine.load(draft=draft_dir)
+    engine = Engine.load(draft=draft_dir, dtype=torch.float32)  # (HF's prompt lookup, the oracle, runs fp32)
     records = [{"id": "a", "turns": ["Pick a random animal and describe it in one sentence."]}]
     report = distribution_check(engine, ["lookup", "dflash@4"], records, samples=200, positions=3)
     for checks in report.values():

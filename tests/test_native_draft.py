@@ -110,6 +110,11 @@ def test_the_native_markov_chain_is_the_eager_chain(draft_vocab):
         want = eager.draft_tokens(hidden, head, previous)
         got = fast.native.greedy(hidden, head, previous)
         assert torch.equal(got, want) and torch.equal(fast.draft_tokens(hidden, head, previous), want)
+        # with each drafted token's probability (the adaptive policy's input): the eager softmax's
+        (tokens, probs), (e_tokens, e_probs) = (d.draft_candidates(hidden, head, 1, previous) for d in (fast, eager))
+        assert torch.equal(tokens, e_tokens) and probs.dtype == e_probs.dtype == torch.float32
+        torch.testing.assert_close(probs, e_probs, rtol=1e-5, atol=1e-6)
+        assert 0.02 < float(probs.min()) < float(probs.max()) < 1.0
         # the correction matters here: without the Markov head other tokens come out
         assert not torch.equal(eager.to_target_ids(native.argmax(eager.draft_logits(hidden, head))), want)
 

@@ -38,7 +38,7 @@ def test_adaptive_drafts_deep_where_verify_is_cheap_and_stops_where_drafts_do_no
     assert 1 <= depth < 7  # as deep as pays: the verify cost grows with every token
     policy.select(Draft(torch.zeros(16, depth, dtype=torch.long)), torch.zeros(16, dtype=torch.long), 16)
     verify(policy, 16, depth + 1, 0.05 * (depth + 1), [0] * 16)
-    assert policy.plan(16) == 0  # that draft did not pay: the next step skips the pass
+    assert policy.plan(16) == 0  # that draft did not pay (acceptance seen above): the next step skips the pass
     assert policy.plan(16) > 0  # (backing off one step at first)
 
 
@@ -56,3 +56,60 @@ def test_adaptive_cuts_each_chain_by_its_calibrated_probabilities():
     best = max(gains, key=lambda n: (gains[n] / (0.01 * (1 + 0.5 * n)), -n))
     assert chosen.shape == (2, best) and torch.equal(chosen, tokens[:, :best])
     assert policy.expected_tokens(5) > 1.0  # the running estimates took the probabilities in
+
+
+def test_a_step_cost_is_the_median_of_its_measurements_and_grows_with_the_width():
+    """One slow step (a page fault, another process) does not move a width's cost; a wider
+    verify is never estimated cheaper than a narrower one; between measured widths the line."""
+    from blockdraft.costs import StepCosts
+
+    costs = StepCosts()
+    for seconds in (0.010, 0.011, 0.050, 0.010, 0.012):
+        costs.record(1, 4, seconds)
+    for seconds in (0.012, 0.012, 0.012):
+        costs.record(1, 2, seconds)  # noise made width 2 look dearer than width 4
+    costs.record(1, 8, 0.020)
+    assert costs.estimate(1, 4) == costs.estimate(1, 2) == 0.012  # the median, then no cheaper than width 2
+    assert abs(costs.estimate(1, 6) - 0.016) < 1e-12  # halfway between 4 and 8
+
+
+def test_a_chains_expected_tokens_are_what_its_steps_committed():
+    """Drafts 1 and 2 accepted together or not at all, the confident chains (probabilities 0.9)
+    whole, the others (0.3) never: a step commits 2 tokens on average. The policy's figure for a
+    chain (its depth choice and gate read it) is that, from the measured conditional rates; the
+    calibrated probabilities multiplied along the chain said 1.92 (for a DFlash drafter on
+    HumanEval: 2.0 where 2.35 were committed)."""
+    policy = SpeculationPolicy(LookupProposer(max_block_size=3), 3, adaptive=True)
+    probs = torch.tensor([[0.9, 0.9], [0.3, 0.3]] * 5)
+    accepted = [2, 0] * 5
+    for _ in range(50):
+        policy.plan(10)
+        policy.select(Draft(torch.zeros(10, 2, dtype=torch.long), probs), torch.zeros(10, dtype=torch.long), 10)
+        verify(policy, 10, 3, 0.01, accepted)
+    assert abs(policy.expected_tokens(3) - 2.0) < 0.02
+    calibrated = 1 + sum(s for s in policy.score_mean)
+    assert abs(calibrated - 1.92) < 0.02
+
+
+def test_the_gate_waits_for_measured_acceptance_unless_every_draft_was_cut():
+    """The first steps of a request say little about a drafter: a verified draft that did not
+    pay closes the gate only after `GATE_AFTER` rows' acceptance was seen; a pass whose drafts
+    were all cut was paid for nothing and closes it at once."""
+    policy = SpeculationPolicy(LookupProposer(max_block_size=4), 4, adaptive=True)
+    for w in range(1, 5):
+        policy.costs.record(1, w, 0.01 * w)  # every verified token costs a step: no draft pays
+    policy.costs.record_draft(1, 3, 0.001)
+    for step in range(policy.GATE_AFTER):
+        assert policy.plan(1) > 0, step
+        policy.select(Draft(torch.zeros(1, 3, dtype=torch.long)), torch.zeros(1, dtype=torch.long), 1)
+        verify(policy, 1, 4, 0.04, [0])
+    assert policy.plan(1) == 0  # now seen: the gate skips the next pass
+
+    cut = SpeculationPolicy(LookupProposer(max_block_size=4), 4, adaptive=True)
+    cut.costs.record(1, 1, 0.01)
+    cut.costs.record_draft(1, 3, 0.005)
+    assert cut.plan(1) == 3
+    cut.select(Draft(torch.zeros(1, 3, dtype=torch.long)), torch.zeros(1, dtype=torch.long), 1)
+    cut.depth = 3
+    verify(cut, 1, 1, 0.01, [0])  # all three drafts cut: one token for a pass and a step
+    assert cut.plan(1) == 0

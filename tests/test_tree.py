@@ -113,8 +113,9 @@ def test_best_width_trades_expected_tokens_against_measured_cost():
         steep.record(1, w, 0.03 * w)  # every token costs a full step: speculation never pays
     assert best_width(scores, steep, 1) == 0
     prior = StepCosts()  # nothing measured: the prior curve, then scaled by a measurement
-    expected = max(range(8), key=lambda n: (1 + float(scores[0, :n].sum())) / prior_cost(n + 1))
-    assert best_width(scores, prior, 1) == expected
+    rates = {n: (1 + float(scores[0, :n].sum())) / prior_cost(n + 1) for n in range(7)}  # (node 7 adds nothing)
+    assert best_width(scores, prior, 1) == max(n for n, r in rates.items() if r >= 0.97 * max(rates.values())) == 4
+    assert max(rates, key=rates.get) == 3  # the fastest by 1 %: within the noise, the deeper draft is kept
     prior.record(4, 16, 2.0)
     assert abs(prior.estimate(4, 2) / prior.estimate(4, 1) - prior_cost(2)) < 1e-9
     assert best_width(scores, prior, 4, widths=(1, 4)) in (0, 3)
@@ -319,10 +320,11 @@ def test_confidence_cut_chain_is_exact(smol, hf_smol, random_drafter, greedy4, m
     states = run(smol, DFlashProposer(random_drafter, smol), prompts, 16, adaptive=True, steps=steps)
     for k, (p, out, truth) in enumerate(zip(prompts, states, truths, strict=False)):
         assert_same_or_tie(hf_smol, p, out.output_ids, truth, f"cut row {k}")
-    # a random drafter's confidence is low: the cut verifies short chains, and (rigged) its drafts
-    # do not pay for the drafter pass, so the gate skips the pass on many steps
-    assert max(n for s in states for _, n in s.accepted_per_step) < 15
+    # a random drafter's confidence is low: the cut verifies short chains (the whole chain on probes
+    # only), and (rigged) its drafts do not pay for the drafter pass, so the gate skips the pass on many steps
     passes = [s.drafted for s in steps]
+    verified = [n for s in states for _, n in s.accepted_per_step]
+    assert 0 < sum(n == 15 for n in verified) < sum(n < 15 for n in verified)
     assert passes.count(0) > 0
     assert sum(n == 0 for s in states for _, n in s.accepted_per_step) >= passes.count(0)
     # the pass drafts the whole block on probes only, shallower (as deep as pays) in between

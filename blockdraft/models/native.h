@@ -31,6 +31,9 @@ void rotate(at::BFloat16* x, const at::BFloat16* norm, const float* cos, const f
 // The index of the first maximum of n bf16 values, -1 if one is a NaN (native_linear.cpp).
 int64_t first_max(const at::BFloat16* x, int64_t n);
 
+// sum_i e^(x[i] - top) over n bf16 values (the softmax's denominator; native_step.cpp).
+float exp_sum(const at::BFloat16* x, int64_t n, float top);
+
 }  // namespace blockdraft
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
@@ -45,5 +48,6 @@ void dflash_context(torch::Tensor features, torch::Tensor positions, torch::Tens
                     torch::Tensor v_cache, int64_t row0, torch::Tensor cos, torch::Tensor sin, torch::Tensor fc,
                     torch::Tensor hidden_norm, std::vector<torch::Tensor> kv, double eps, int64_t hidden);
 
-torch::Tensor markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t vocab_rows, torch::Tensor w1,
-                            torch::Tensor w2, torch::Tensor vocab, torch::Tensor previous);
+std::vector<torch::Tensor> markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t vocab_rows,
+                                         torch::Tensor w1, torch::Tensor w2, torch::Tensor vocab, torch::Tensor previous,
+                                         bool probs);

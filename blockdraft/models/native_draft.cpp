@@ -83,8 +83,9 @@ void dflash_context(torch::Tensor features, torch::Tensor positions, torch::Tens
 // base logits = hidden @ head (packed rows of the target's LM head, `vocab_rows` of them: the draft
 // vocabulary's or all), then for k = 0..n-1 logits_k = bf16(base_k + w2 @ w1[previous]) and its first
 // maximum, which becomes the previous token of position k + 1 (`previous` [B]: the token before the block).
-torch::Tensor markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t V, torch::Tensor w1, torch::Tensor w2,
-                            torch::Tensor vocab, torch::Tensor previous) {
+// With `probs`, also each drafted token's softmax probability [B, n] (fp32; else an empty tensor).
+std::vector<torch::Tensor> markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t V, torch::Tensor w1,
+                                         torch::Tensor w2, torch::Tensor vocab, torch::Tensor previous, bool probs) {
     hidden = hidden.contiguous();
     previous = previous.contiguous();
     check_bf16(hidden, "hidden");
@@ -97,6 +98,7 @@ torch::Tensor markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t V,
     auto opts = hidden.options();
     auto base = torch::empty({B * n, V}, opts), x = torch::empty({B, r}, opts), corr = torch::empty({B, V}, opts);
     auto out = torch::empty({B, n}, opts.dtype(at::kLong));
+    auto prob = torch::empty({probs ? B : 0, n}, opts.dtype(at::kFloat));
     bf16 *bp = base.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *cp = corr.data_ptr<bf16>();
     const bf16* w1p = w1.data_ptr<bf16>();
     const int64_t* ids = vocab.numel() ? vocab.data_ptr<int64_t>() : nullptr;
@@ -116,7 +118,11 @@ torch::Tensor markov_greedy(torch::Tensor hidden, torch::Tensor head, int64_t V,
             const int64_t best = blockdraft::first_max(row, V);
             o[b * n + k] = best < 0 ? -1 : (ids ? ids[best] : best);
             prev[b] = best < 0 ? 0 : o[b * n + k];
+            if (probs && best >= 0) {
+                const float top = static_cast<float>(row[best]);
+                prob.data_ptr<float>()[b * n + k] = 1.0f / blockdraft::exp_sum(row, V, top);
+            }
         }
     }
-    return out;
+    return {out, prob};
 }

@@ -140,6 +140,20 @@ void exp_shifted(float* x, int64_t n, float shift) {
     }
 }
 
+}  // namespace
+
+float blockdraft::exp_sum(const bf16* x, int64_t n, float top) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 s = _mm512_set1_ps(top);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(n - i);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(load16(x + i, m), s))));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+namespace {
+
 // a[j] = bf16(silu(g[j]) * u[j]) for n values, 16 lanes at a time (the last partial one masked)
 void silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
