@@ -77,7 +77,10 @@ class NativeHead(FloatHead):
             return super().logits(flat, lm_head_weight, vocab)
         from .models import native
 
-        return native.linear(flat.contiguous(), self.rows(lm_head_weight, vocab).contiguous())
+        packed = self.keep(
+            "native-packed", lm_head_weight, vocab, lambda: native.pack(self.rows(lm_head_weight, vocab))
+        )
+        return native.linear_packed(flat, packed, None, lm_head_weight.shape[0] if vocab is None else vocab.numel())
 
 
 class Int8Head(FloatHead):

@@ -189,6 +189,7 @@ class NativeDraft:
             return None
         vocab = getattr(d, "draft_vocab", None)
         head = d.head.keep("native-packed", lm_head_weight, vocab, lambda: native.pack(d.head_weight(lm_head_weight)))
+        # (the key `NativeHead` keeps its packed rows under: one copy for both)
         markov = d.markov_head
         w2 = d.head.keep("markov-w2", markov.markov_w2.weight, None, lambda: native.pack(markov.markov_w2.weight))
         rows = vocab.numel() if vocab is not None else lm_head_weight.shape[0]

@@ -120,3 +120,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, K] @ weight[N, K].T (+ bias), bf16, row-independent."""
     return module().linear_bf16(x, weight, bias)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """`linear` from a weight of n rows packed by `pack`: the same sums in the same order."""
+    return module().linear_packed(x.contiguous(), packed, bias, n)
