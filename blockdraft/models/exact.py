@@ -119,7 +119,9 @@ def _choice(out_features: int, in_features: int, has_bias: bool, dtype: torch.dt
 
     from .default import cache_home
 
-    own = " | native, native-packed" if dtype == torch.bfloat16 and device == "cpu" and native.available() else ""
+    own = (
+        " | native, native-packed panels" if dtype == torch.bfloat16 and device == "cpu" and native.available() else ""
+    )
     timed = "+".join(map(str, TIMED_ROWS))
     key = f"{machine_key()}{own} | timed {timed} | {out_features}x{in_features}{' +bias' if has_bias else ''} | {dtype}"
     store = cache_home() / "exact-kernels.json"

@@ -17,7 +17,8 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {
 void product_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, at::BFloat16* y,
                   int64_t R, int64_t K, int64_t N);
 
-// The same from a weight packed by `native.pack`: [ceil(N/4), ceil(K/32), 4, 32], zero-padded.
+// The same from a weight packed by `native.pack` in panels: [ceil(N/32)][ceil(K/2)][32][2], zero-padded;
+// each output one lane's sum, pair by pair in order (native_linear.cpp): other sums than product_bf16's.
 void product_packed(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat16* b, at::BFloat16* y,
                     int64_t R, int64_t K, int64_t N);
 

@@ -96,11 +96,12 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] in the layout the fused step's products read in address order:
-    [ceil(N/4), ceil(K/32), 4, 32], zero-padded (`native_linear.cpp`, `product_packed`)."""
+    """A bf16 weight [N, K] in the layout the packed products read in address order: panels of 32
+    outputs, [ceil(N/32), ceil(K/2), 32, 2] (pairs of inputs innermost), zero-padded
+    (`native_linear.cpp`, `product_packed`)."""
     n, k = weight.shape
-    w = torch.nn.functional.pad(weight.detach(), (0, -k % 32, 0, -n % 4))
-    return w.view(w.shape[0] // 4, 4, w.shape[1] // 32, 32).transpose(1, 2).contiguous()
+    w = torch.nn.functional.pad(weight.detach(), (0, k % 2, 0, -n % 32))
+    return w.view(w.shape[0] // 32, 32, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -123,5 +124,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """`linear` from a weight of n rows packed by `pack`: the same sums in the same order."""
+    """x [R, K] @ weight.T (+ bias) from a weight of n rows packed by `pack`: row-independent, its
+    own order of sums (not `linear`'s: one weight runs through one of the two)."""
     return module().linear_packed(x.contiguous(), packed, bias, n)
