@@ -2,7 +2,7 @@
 of every method, against `ar` and against llama.cpp's plain decoding of each file, with the machine,
 the dtype that ran (and why), the two GGUF files and the llama.cpp build named under the table.
 
-    .venv/bin/python benchmarks/peers_table.py bench-results/cpu-amd-bf16-llamacpp-fused-draft-20261207 --doc docs/llamacpp.md
+    .venv/bin/python benchmarks/peers_table.py bench-results/NAME --doc docs/llamacpp.md
 """
 
 from __future__ import annotations

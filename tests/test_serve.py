@@ -408,8 +408,8 @@ def test_greedy_answer_unchanged_while_16_streams_run(server, engine, client):
     assert "blockdraft_time_to_first_token_seconds_count" in metrics
     assert "blockdraft_running_batch_size" in metrics and "blockdraft_queue_depth" in metrics
     assert re.search(
-        r'blockdraft_target_precision_info\{dtype="\w+",exact="(true|false)",reason=".+",'
-        r'step="[^"]+",draft="[^"]+"\} 1',
+        r'blockdraft_target_precision_info\{draft="[^"]+",dtype="\w+",exact="(true|false)",reason=".+",'
+        r'step="[^"]+"\} 1',  # (labels in alphabetical order)
         metrics,
     )
     served = [
