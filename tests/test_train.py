@@ -1036,13 +1036,13 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
         sum((tmp_path / "soft-cache" / f).stat().st_size for f in ("features-rank0.bin", "teacher-rank0.bin"))
         == need_soft
     )
-    # a disk with room for about half of a 2-step run's features beyond the 1 GiB kept free
+    # a disk with room for about half of a 2-step run's features beyond what is kept free
     small = tmp_path / "small"
     usage = shutil.disk_usage(tmp_path)
 
     def disk(_):
         used = sum(f.stat().st_size for f in small.glob("features-*.bin"))
-        return usage._replace(free=2**30 + need_run // 2 - used)
+        return usage._replace(free=features.RESERVE + need_run // 2 - used)
 
     monkeypatch.setattr(features.shutil, "disk_usage", disk)
     capsys.readouterr()
@@ -1054,7 +1054,7 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
     assert 0 < stored <= need_run // 2 and 0 < len(FeatureCache(small, target, [3])) < 8
     a, b = trainer.drafter.state_dict(), squeezed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same features, stored or not
-    monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=2**30 + need_all))
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda _: usage._replace(free=features.RESERVE + need_all))
     capsys.readouterr()
     Trainer(tiny_config(root, tmp_path / "fits", max_steps=100, feature_cache=str(tmp_path / "other")))
     assert "stores what fits" not in capsys.readouterr().err

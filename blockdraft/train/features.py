@@ -65,6 +65,9 @@ def target_fingerprint(target) -> str:
 
 
 FEATURE_DTYPES = ("float16", "int8")
+# Bytes the cache leaves free on its disk: a full epoch of the default data in int8 is ~60 GB, and the
+# machine it fills also builds llama.cpp, clones the repository (~6 GB with a test run) and commits.
+RESERVE = 16 * 2**30
 
 
 def quantize(features: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +292,7 @@ class FeatureCache:
 
     def put_teacher(self, key: str, ids: torch.Tensor, logp: torch.Tensor, start: int):
         """Store one sample's top tokens ids [rows, k] and log-probabilities [rows, k] for positions
-        start..start+rows-1 (unless stored, or the disk would keep less than 1 GiB free)."""
+        start..start+rows-1 (unless stored, or the disk would keep less than `RESERVE` free)."""
         rows, k = ids.shape
         if key in self._teacher.index or not self.room(teacher_bytes(rows, k)):
             return
@@ -316,11 +319,12 @@ class FeatureCache:
             )
         return need
 
-    def check_space(self, sequences, reserve: int = 2**30, answer_starts=None) -> str | None:
+    def check_space(self, sequences, reserve: int | None = None, answer_starts=None) -> str | None:
         """Said before a run, not found out hours into it: None when the features of `sequences`
         not cached yet (and with `answer_starts` their top tokens) fit on the cache's disk with
         `reserve` bytes left free, else what happens instead (`put` stores them until the disk
         would keep only `reserve`; the rest are computed every time)."""
+        reserve = RESERVE if reserve is None else reserve
         need, free = self.bytes_needed(sequences, answer_starts), shutil.disk_usage(self.folder).free
         if need <= free - reserve:
             return None
@@ -328,16 +332,16 @@ class FeatureCache:
             f"--feature-cache {self.folder}: the features of this run's samples need {need / 2**30:.1f} GiB "
             f"more and the disk has {free / 2**30:.1f} GiB free: it stores what fits "
             f"({max(0, free - reserve) / 2**30:.1f}"
-            f" GiB, 1 GiB kept free), and the target runs for the other samples every epoch"
+            f" GiB, {reserve / 2**30:.0f} GiB kept free), and the target runs for the other samples every epoch"
         )
 
-    def room(self, nbytes: int, reserve: int = 2**30) -> bool:
-        """Whether `nbytes` more fit on the cache's disk with `reserve` bytes left free."""
-        return shutil.disk_usage(self.folder).free - nbytes > reserve
+    def room(self, nbytes: int, reserve: int | None = None) -> bool:
+        """Whether `nbytes` more fit on the cache's disk with `reserve` bytes (`RESERVE`) left free."""
+        return shutil.disk_usage(self.folder).free - nbytes > (RESERVE if reserve is None else reserve)
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
         """Store each row's first `lengths[i]` feature rows (in `self.dtype`) unless its key is
-        cached, or the disk would keep less than 1 GiB free."""
+        cached, or the disk would keep less than `RESERVE` free."""
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
         extra = self._extra
         if not new or not self.room(sum(self.sample_bytes(int(lengths[i])) for i, _ in new)):
