@@ -17,11 +17,13 @@ from blockdraft.batcher import generate_steps
 from blockdraft.decode import DecodeLoop
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.models import load_target, quant
+from blockdraft.models import exact, load_target, quant
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sequences import Request
 
 from .test_decode import RiggedProposer, run_sorting
+from .test_exact import prompts24, split_sum
+from .test_exact import run as run_rows
 
 VOCAB = 256
 N_NEW = 20
@@ -291,6 +293,90 @@ def test_a_vision_language_folder_loads_its_language_model(tmp_path, prompts):
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
         h, _ = ours(torch.tensor([ids]), torch.arange(len(ids))[None])
     torch.testing.assert_close(ours.logits(h)[0], ref, **TOL)
+
+
+@pytest.fixture(scope="module")
+def near_ties(tmp_path_factory):
+    """A tiny random Qwen3.5 with its head as initialised: near ties everywhere, so that any
+    difference between a token verified in a block and decoded alone changes a token."""
+    from transformers import Qwen3_5ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen3_5-ties")
+    torch.manual_seed(5)
+    hf = Qwen3_5ForCausalLM(text_config(vocab_size=64)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(str(path))
+    return path
+
+
+def low_precision(path, dtype):
+    target = load_target(path, dtype=dtype)
+    summary = exact.make_exact(target)
+    assert summary["exact"] and summary["attention_chunk"] == exact.ATTENTION_CHUNK
+    assert summary["step"] == "eager: not a Llama-family target"
+    torch.manual_seed(4)
+    cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=63, target_layer_ids=[1, 2])
+    return target, DFlashDrafter(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("temperature", (0.0, 1.0))
+def test_every_method_gives_plain_decodings_tokens_in_low_precision(near_ties, dtype, temperature):
+    """Exact mode on a hybrid target: its products through one row-independent kernel, the
+    full-attention layers' attention chunked, the linear layers' recurrence token by token after
+    the prefill. DFlash chains (blocks 4 and 8, the adaptive policy's widths) and prompt lookup
+    give `ar`'s tokens on 24 prompts of 1 to 70 tokens, greedy and seeded sampling, one row and 24
+    rows a step."""
+    target, drafter = low_precision(near_ties, dtype)
+    prompts = prompts24()
+    with torch.inference_mode():
+        ar = [run_rows(target, Proposer(), [p], 1, temperature=temperature, first=i)[0] for i, p in enumerate(prompts)]
+        assert run_rows(target, Proposer(), prompts, 1, temperature=temperature) == ar
+        for block in (4, 8):
+            assert run_rows(target, DFlashProposer(drafter, target), prompts, block, temperature=temperature) == ar
+        adaptive = run_rows(target, DFlashProposer(drafter, target), prompts, 8, temperature=temperature, adaptive=True)
+        assert adaptive == ar
+        assert run_rows(target, LookupProposer(), prompts, 4, temperature=temperature, batch_size=5) == ar
+
+
+@pytest.mark.parametrize("mutant", ["product", "recurrence"])
+def test_a_width_dependent_hybrid_layer_changes_speculative_output(near_ties, monkeypatch, mutant):
+    """The comparison above catches the bugs it is for: a linear layer's input product made
+    width-dependent (`split_sum`), or its recurrence run another way for a block than for one token
+    (the state rounded to bf16 after each token of a block), and speculative output leaves plain
+    decoding's on the same prompts."""
+    from blockdraft.models import qwen3_5
+
+    target, drafter = low_precision(near_ties, torch.bfloat16)
+    if mutant == "product":
+        layer = target.model.layers[0].linear_attn.in_proj
+        with torch.inference_mode():
+            layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # the product keeps its kernel now
+        monkeypatch.setattr(layer.product, "_fn", split_sum)
+    else:
+        steps = qwen3_5.delta_rule_steps
+
+        def rounded_in_blocks(q, k, v, g, beta, state):
+            if q.shape[1] == 1:
+                return steps(q, k, v, g, beta, state)
+            outs, states = [], []
+            for i in range(q.shape[1]):
+                out, after = steps(
+                    q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], g[:, i : i + 1], beta[:, i : i + 1], state
+                )
+                state = after[:, 0].bfloat16().float()
+                outs.append(out)
+                states.append(after)
+            return torch.cat(outs, 1), torch.cat(states, 1)
+
+        monkeypatch.setattr(qwen3_5, "delta_rule_steps", rounded_in_blocks)
+    prompts = prompts24()
+    with torch.inference_mode():
+        ar = [run_rows(target, Proposer(), [p], 1)[0] for p in prompts]
+        assert run_rows(target, DFlashProposer(drafter, target), prompts, 8) != ar
 
 
 def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):

@@ -222,15 +222,8 @@ def make_exact(model) -> dict:
     reports it: {"exact": bool, "kernels": {kernel: layers}, "attention_chunk": C}; "exact" is
     False (with a warning) when some product or the attention has no row-independent kernel here."""
     cfg = model.config
-    if model.recurrent:  # a block runs its linear-attention scan chunked, a plain step token by token
-        if model.dtype != torch.float32:  # (in fp32 the difference has not changed a token in the tests)
-            warnings.warn(
-                "exact speculation is not available for targets with linear-attention layers yet: "
-                "speculative output may differ from plain decoding where two tokens nearly tie",
-                stacklevel=2,
-            )
-        model.exactness = {"exact": False, "kernels": {}, "attention_chunk": 0}
-        return model.exactness
+    # (a hybrid target's linear-attention layers are exact as they are: every cached forward after a
+    # prefill runs their recurrence token by token, the same arithmetic for a token alone or in a block)
     kernels: dict[str, int] = {}
     missing = []
     for parent in list(model.modules()):

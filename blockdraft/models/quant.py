@@ -233,6 +233,8 @@ def quantize_target(model, gguf_file=None) -> dict:
         raise BlockdraftError("this torch build has no int4/int8 CPU weight kernels (torch >= 2.6 needed)")
     if model.device.type != "cpu":
         raise BlockdraftError("q4_1 weights run on CPU (torch's int4 CPU kernels)")
+    if getattr(model, "recurrent", False):
+        raise BlockdraftError("quantized weights are not supported for Qwen3.5 (hybrid linear-attention) targets")
     # bf16-rounded activations turn last-bit differences between a token decoded alone and the
     # same token verified in a block into different tokens: use the attention that has none
     model.set_attention_chunk(ATTENTION_CHUNK)

@@ -233,6 +233,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=cfg.attention_bias)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.chunk = 0  # > 0: cached forwards use `attend_chunked` (exact mode), as `Attention`
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -247,7 +248,8 @@ class GatedAttention(nn.Module):
         q = self.rotate(self.q_norm(q).transpose(1, 2), cos, sin)
         k = self.rotate(self.k_norm(k.view(b, t, self.kv_heads, d)).transpose(1, 2), cos, sin)
         k, v = write(k, v.view(b, t, self.kv_heads, d).transpose(1, 2))
-        out = attend_groups(q, k, v, mask, groups).transpose(1, 2).reshape(b, t, -1)
+        chunked = self.chunk and mask is not None and (isinstance(mask, tuple) or mask.dtype != torch.bool)
+        out = attend_groups(q, k, v, mask, groups, self.chunk if chunked else 0).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
 
 
@@ -301,7 +303,6 @@ class Qwen3_5(Transformer):
 
     backbone = HybridBackbone
     recurrent = True
-    attention_chunk = 0  # attention by SDPA only (no quantized weights: `set_attention_chunk`)
     from_hf_weights = staticmethod(qwen3_5_hf_weights)
 
     def __init__(self, cfg: TargetConfig):
@@ -309,14 +310,24 @@ class Qwen3_5(Transformer):
         kinds = cfg.layer_types
         self.cache_index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]  # among layers of its kind
 
+    @property
+    def attention_chunk(self) -> int:
+        """As `Transformer.attention_chunk`, for the full-attention layers (exact mode)."""
+        return next((layer.self_attn.chunk for layer in self.model.layers if not layer.linear), 0)
+
     def set_attention_chunk(self, chunk: int):
-        if chunk:
-            raise BlockdraftError("quantized weights are not supported for Qwen3.5 (hybrid linear-attention) targets")
+        if chunk and chunk % 16:
+            raise ValueError("the attention chunk must be a multiple of 16")
+        for layer in self.model.layers:
+            if not layer.linear:
+                layer.self_attn.chunk = chunk
 
     def new_cache(self, batch: int, slots: int) -> HybridCache:
         """Keys/values of the attention layers for `batch` sequences of `slots` cache slots each,
         and the linear layers' states."""
         cfg = self.config
+        if self.attention_chunk:  # whole attention chunks, as `Transformer.new_cache`
+            slots = -(-slots // self.attention_chunk) * self.attention_chunk
         kv = KVCache(
             cfg.layer_types.count("full_attention"),
             batch,
