@@ -67,6 +67,9 @@ def load_weights(cls, cfg, folder: str | Path, device=None, dtype: torch.dtype |
     if not (folder / "model.safetensors").is_file():
         raise BlockdraftError(f"{folder}: no model.safetensors")
     weights = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    # weights a folder may carry that the model takes from elsewhere (a drafter: the target's
+    # embedding and LM head, which DSpark checkpoints hold as copies)
+    weights = {k: v for k, v in weights.items() if k not in getattr(cls, "borrowed_weights", ())}
     with torch.device("meta"):
         model = cls(cfg)
     expected = set(model.state_dict())

@@ -157,6 +157,8 @@ class DrafterBase(nn.Module):
     """What every drafter kind shares: initialisation and the optional draft vocabulary."""
 
     native = None  # a `draft_native.NativeDraft` runs the decode pass when set (`use_native_draft`)
+    # the target's, which a drafter reads from the target; a folder holding copies (DSpark's layout) loads
+    borrowed_weights = ("embed_tokens.weight", "lm_head.weight")
     draft_pass = "eager"  # which pass decodes, as `Engine.precision` reports it
 
     def __init__(self):

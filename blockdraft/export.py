@@ -57,14 +57,40 @@ def published_weight_names(num_layers: int, attention_bias: bool = False) -> set
     return names
 
 
+def target_embedding_and_head(folder: str | Path) -> dict[str, torch.Tensor]:
+    """A target folder's token embedding and LM head (the embedding where the head is tied), as a
+    DSpark checkpoint names them: {"embed_tokens.weight", "lm_head.weight"}."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                key = "embed_tokens.weight" if name.endswith("embed_tokens.weight") else name
+                if key in ("embed_tokens.weight", "lm_head.weight") and key not in found:
+                    found[key] = f.get_tensor(name)
+    if "embed_tokens.weight" not in found:
+        raise BlockdraftError(f"{folder}: no token embedding (…embed_tokens.weight) in its safetensors files")
+    found.setdefault("lm_head.weight", found["embed_tokens.weight"].clone())  # tied (a copy: one file, two tensors)
+    return found
+
+
 def export_drafter(
-    src: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16, markov_head: bool = True
+    src: str | Path,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    markov_head: bool = True,
+    target: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Write drafter folder `src` to `out` in the published format (DSpark's layout for a drafter with
     a Markov head), weights in `dtype`. Returns what was dropped and how it was written
     ({"draft_vocab_size": N or None, "config": [dropped keys], "layout": a few words}).
     `markov_head=False`: a drafter with a Markov head is written without it, as a plain DFlash
-    drafter in the published format (for engines that do not run DSpark's layout, e.g. SGLang)."""
+    drafter in the published format (for engines that do not run DSpark's layout, e.g. SGLang).
+    `target`: the target's embedding and LM head (`target_embedding_and_head`), which a DSpark
+    checkpoint carries: DeepSpec's loader fills them with random values where they are missing
+    (without an error; its drafts then accept ~1.1 tokens a step instead of ours, 2.4 on
+    HumanEval), so a DSpark export needs them; the published DFlash format has neither."""
     raw = read_draft_config(src)
     ours = raw.get("blockdraft") or {}
     if ours.get("context_mode", "kv") != "kv":
@@ -108,6 +134,19 @@ def export_drafter(
             full[vocab_ids] = w2
             state["markov_head.markov_w2.weight"] = full
         expected |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+        if target is None:
+            raise BlockdraftError(
+                f"{src}: a drafter in DSpark's layout carries the target's embedding and LM head: "
+                "give the target's (`target_embedding_and_head`, or `export drafter --target DIR`)"
+            )
+        for name, w in target.items():
+            if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise BlockdraftError(
+                    f"the target's {name} is {tuple(w.shape)}, this drafter needs "
+                    f"({cfg.vocab_size}, {cfg.hidden_size}): not the target it was made for"
+                )
+            state[name] = w
+        expected |= set(target)
     if set(state) != expected:
         raise BlockdraftError(f"{src}: weights outside the published set: {sorted(set(state) ^ expected)[:4]}")
     write_model_folder(out, config, state, dtype)

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from blockdraft.cli import main
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.engine import Engine, shipped_drafter
 from blockdraft.errors import BlockdraftError
-from blockdraft.export import export_drafter
+from blockdraft.export import export_drafter, target_embedding_and_head
 
 from .conftest import drafter_with_markov_rank
 
@@ -139,6 +140,21 @@ def test_a_markov_head_drafter_exports_in_dspark_layout(tmp_path, capsys):
         w2[drafter.draft_vocab], drafter.markov_head.markov_w2.weight
     )
     assert int((w2 != 0).any(-1).sum()) == drafter.draft_vocab.numel()
+    # the target's embedding and LM head (tied here), which DeepSpec's loader otherwise fills at random
+    from blockdraft.models.default import default_target_dir
+
+    target = load_file(str(default_target_dir() / "model.safetensors"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("embed_tokens.weight"), target["model.embed_tokens.weight"])
+        assert torch.equal(f.get_tensor("lm_head.weight"), target["model.embed_tokens.weight"])
+    with pytest.raises(BlockdraftError, match="carries the target's embedding and LM head"):
+        export_drafter(tmp_path / "markov", tmp_path / "no-target")
+    small = {
+        "embed_tokens.weight": torch.zeros(10, cfg.hidden_size),
+        "lm_head.weight": torch.zeros(10, cfg.hidden_size),
+    }
+    with pytest.raises(BlockdraftError, match="not the target it was made for"):
+        export_drafter(tmp_path / "markov", tmp_path / "wrong-target", target=small)
 
 
 def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path):
@@ -155,7 +171,9 @@ def test_a_dspark_layout_folder_loads_back_and_drafts_as_the_source_did(tmp_path
     if not source.config.markov_rank:
         source_dir = drafter_with_markov_rank(source_dir, 32, tmp_path / "markov")
         source = DFlashDrafter.load(source_dir)
-    export_drafter(source_dir, tmp_path / "dspark", torch.float32)
+    export_drafter(
+        source_dir, tmp_path / "dspark", torch.float32, target=target_embedding_and_head(default_target_dir())
+    )
     back = DFlashDrafter.load(tmp_path / "dspark")
     assert back.config.markov_rank == source.config.markov_rank and getattr(back, "draft_vocab", None) is None
     assert (back.config.mask_token_id, back.config.target_layer_ids) == (

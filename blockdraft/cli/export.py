@@ -31,8 +31,14 @@ def cmd_export_drafter(args) -> int:
 
     from ..export import export_drafter
 
+    from ..export import target_embedding_and_head
+    from ..models.default import default_target_dir
+
     src = drafter_folder(args)
-    dropped = export_drafter(src, args.out, getattr(torch, args.dtype), markov_head=not args.drop_markov_head)
+    target = target_embedding_and_head(args.target or default_target_dir())
+    dropped = export_drafter(
+        src, args.out, getattr(torch, args.dtype), markov_head=not args.drop_markov_head, target=target
+    )
     note = (
         f"; its {dropped['draft_vocab_size']}-token draft vocabulary is dropped (it now scores the whole vocabulary)"
         if dropped["draft_vocab_size"]
@@ -90,6 +96,11 @@ def register(sub, methods) -> None:
     )
     xd.add_argument("drafter", nargs="?", help="drafter folder (default: the one shipped for the default target)")
     xd.add_argument("--out", required=True, help="folder to write")
+    xd.add_argument(
+        "--target",
+        help="the HF folder of the target the drafter drafts for (default: the bundled default target): "
+        "a drafter in DSpark's layout carries copies of its token embedding and LM head, as DeepSpec's do",
+    )
     xd.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
