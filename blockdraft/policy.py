@@ -49,10 +49,9 @@ class SpeculationPolicy:
         self.score_mean: list[float | None] = [None] * self.depth_max  # running mean of P(drafts 1..k accepted)
         self.gate = DraftGate() if self.adaptive else None
         self.passes = 0  # adaptive drafter passes so far (the probe schedule)
-        self.has_probs = False  # the proposals carry probabilities (seen once)
         self.last: DraftTree | None = None  # the last proposal with probabilities (for calibration)
         self.depth = 0  # positions the last pass drafted
-        self.expected = 0.0  # tokens per row the last step was expected to commit
+        self.expected = 0.0  # tokens per row the last tree was expected to commit (the gate's figure for trees)
         self.probing = False  # this step drafts and verifies the whole block (the probe schedule)
 
     @property
@@ -106,7 +105,6 @@ class SpeculationPolicy:
         if self.trees:
             if self.depth == 0:
                 return DraftTree.chain(pending, tokens[..., 0])
-            self.has_probs = True
             tree = build_tree(pending, tokens, probs, self.block - 1, self.calibration, children=draft.children)
             if self.adaptive and not self.probing:
                 tree = tree.prefix(best_width(tree.scores[:, 1:], self.costs, batch) + 1)
@@ -115,17 +113,13 @@ class SpeculationPolicy:
             return tree
         keep = self.depth
         if probs is not None and keep:
-            self.has_probs = True
             scores = self.calibration.apply(probs[..., None])[..., 0].cumprod(1)
             for k, score in enumerate(scores.mean(0).tolist()):
                 old = self.score_mean[k]
                 self.score_mean[k] = score if old is None else old + self.SMOOTHING * (score - old)
             if self.adaptive and not self.probing:
                 keep = best_width(scores, self.costs, batch)
-            self.expected = 1.0 + float(scores[:, :keep].sum(1).mean())
             self.last = DraftTree.chain(pending, tokens[:, :keep], probs[:, :keep])
-        elif keep and self.adaptive:  # (the gate's figure: adaptive only)
-            self.expected = 1.0 + sum(a for a in self.alive()[:keep] if a is not None)
         return tokens[:, :keep]
 
     def drafted(self, batch: int, seconds: float):

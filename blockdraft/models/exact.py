@@ -61,18 +61,20 @@ def _padded(x: torch.Tensor, weight: torch.Tensor, bias, rows: int = PAD_ROWS) -
     return torch.cat(out)
 
 
-def _kernels(weight: torch.Tensor) -> dict:
-    """Candidate products of x [rows, in] by `weight`, in the order they are preferred."""
+def _kernels(weight: torch.Tensor, only: str | None = None) -> dict:
+    """Candidate products of x [rows, in] by `weight`, in the order they are preferred (`only`: that
+    one alone, so that a layer does not pack copies for the kernels it does not run)."""
     from .packed import _pack, _run, onednn_available
 
     out = {}
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native.available():
         # blockdraft's own (`models.native`), from a copy packed in the order it is read (the LM head
         # of the default target: 0.8 ms a row against 2.0 unpacked on a 2-core AMD EPYC), then unpacked
-        packed = native.pack(weight)
-        out["native-packed"] = lambda x, w, b, packed=packed: native.linear_packed(x, packed, b, w.shape[0])
+        if only in (None, "native-packed"):
+            packed = native.pack(weight)
+            out["native-packed"] = lambda x, w, b, packed=packed: native.linear_packed(x, packed, b, w.shape[0])
         out["native"] = native.linear
-    if weight.device.type == "cpu" and onednn_available():
+    if weight.device.type == "cpu" and onednn_available() and only in (None, "onednn"):
         try:
             pack = _pack("onednn", weight, 16)
             out["onednn"] = lambda x, w, b, pack=pack: _run("onednn", x, pack, w, b, 16)
@@ -175,7 +177,7 @@ class ExactProduct:
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), tensor_version(weight))
         if key != self._key:  # a packed copy is remade when the weight changes
-            self._key, self._fn = key, _kernels(weight.detach())[self.kernel]
+            self._key, self._fn = key, _kernels(weight.detach(), self.kernel)[self.kernel]
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         limit = CHECK_ROWS[-1]
         with torch.no_grad():
