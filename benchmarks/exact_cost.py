@@ -1,11 +1,17 @@
 """What exact speculation costs: one target forward + logits verifying W = 1 / 4 / 8 / 16 tokens
-after a 300-token context, per dtype, with and without exact mode (`blockdraft.models.exact`),
+after a 300-token context (and the commit of all W: a recurrent target's states after them),
+per dtype, with and without exact mode (`blockdraft.models.exact`),
 in bf16 exact mode with the eager step and with the fused native step (`models.native_step`,
 where this CPU runs it), medians over interleaved rounds; and where the fused step's time goes
 (its products, the LM head, the rest). docs/exactness.md shows the table.
 
     python benchmarks/exact_cost.py measure --out bench-results/exact-cost-NAME [--rounds 3]
+        [--target DIR] [--dtypes bfloat16]
     python benchmarks/exact_cost.py table bench-results/exact-cost-NAME --doc docs/exactness.md
+    python benchmarks/exact_cost.py random-target DIR [--shape qwen3.5-0.8b]
+
+`random-target` writes a target folder of a public model's shapes with random weights (and the
+default target's tokenizer): what a step costs depends on the shapes, not on the values.
 """
 
 from __future__ import annotations
@@ -33,14 +39,57 @@ CONFIGS = (
 )
 
 
+# public models' shapes (their config.json's text part), for `random-target`
+SHAPES = {
+    "qwen3.5-0.8b": dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],  # repeated over the layers
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.25,
+        rope_theta=10000000,
+        max_position_embeddings=4096,
+    )
+}
+
+
+def random_target(args) -> None:
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from blockdraft.models.default import default_target_dir
+
+    shape = dict(SHAPES[args.shape])
+    shape["layer_types"] = (shape["layer_types"] * shape["num_hidden_layers"])[: shape["num_hidden_layers"]]
+    cfg = AutoConfig.for_model(**shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(args.dir)
+    for f in default_target_dir().glob("tokenizer*"):
+        shutil.copy(f, args.dir)
+    print(f"{args.dir}: a random {args.shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)")
+
+
 def config_name(dt: str, ex: bool, step: str) -> str:
     return f"{dt} {'exact' if ex else 'fastest'}" + (", eager step" if step == "eager" else "")
 
 
-def load(dt: str, ex: bool, step: str):
+def load(target, dt: str, ex: bool, step: str):
     from blockdraft import Engine
 
-    e = Engine.load(dtype=getattr(torch, dt), exact=ex, use_draft=False)
+    e = Engine.load(target, dtype=getattr(torch, dt), exact=ex, use_draft=False)
     if step == "eager" and e.target.native_step is not None:
         e.target.native_step = None
         e.target.exactness = {**e.target.exactness, "step": "eager: turned off"}
@@ -52,26 +101,16 @@ def parts(e, widths, repeats: int) -> dict:
     through the native kernel on the step's packed copies, and the LM head through its exact kernel."""
     from blockdraft.models import native
 
-    packed = [p for i, p in enumerate(e.target.native_step.weights()) if i % 12 in (1, 5, 8, 10)]
-    plain = [
-        w
-        for layer in e.target.model.layers
-        for w in (
-            layer.self_attn.qkv_proj.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight,
-        )
-    ]
+    packed = [p for p in e.target.native_step.weights() if p.dim() == 4]  # [N/32, K/2, 32, 2] (`native.pack`)
     out = {}
     for w in widths:
-        xs = {k: torch.randn(w, k).to(torch.bfloat16) for k in {t.shape[1] for t in plain}}
+        xs = {2 * p.shape[1]: torch.randn(w, 2 * p.shape[1]).to(torch.bfloat16) for p in packed}
         head = torch.randn(w, e.target.config.hidden_size).to(torch.bfloat16)
         layers, lm = [], []
         for i in range(repeats + 1):
             t = time.perf_counter()
-            for pack, weight in zip(packed, plain, strict=True):
-                native.module().linear_packed(xs[weight.shape[1]], pack, None, weight.shape[0])
+            for pack in packed:
+                native.module().linear_packed(xs[2 * pack.shape[1]], pack, None, 32 * pack.shape[0])
             t1 = time.perf_counter()
             e.target.logits(head)
             if i:
@@ -87,7 +126,7 @@ def measure(args) -> None:
     from blockdraft.machine import cpu_flags
     from blockdraft.precision import bf16_speedup
 
-    engines = {c: load(*c) for c in CONFIGS}
+    engines = {c: load(args.target, *c) for c in CONFIGS if c[0] in args.dtypes}
     context = 300
     times: dict[str, list[float]] = {}
     caches = {}
@@ -95,6 +134,7 @@ def measure(args) -> None:
         for key, e in engines.items():
             caches[key] = e.target.new_cache(1, context + 32)
             e.target(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], caches[key])
+            e.target.commit(caches[key], slice(None), torch.tensor([context]))
             if not e.target.attention_chunk:  # the fastest kernels measure and pack on first use
                 e.target.warm_up(16)
         fused = {}
@@ -109,6 +149,8 @@ def measure(args) -> None:
                         t = time.perf_counter()
                         h, _ = e.target(toks, pos, caches[(dt, ex, step)])
                         e.target.logits(h).argmax(-1)
+                        # every token kept (a recurrent target's worst case: its states after all W)
+                        e.target.commit(caches[(dt, ex, step)], slice(None), torch.tensor([context + w]))
                         if i:
                             times.setdefault(f"{config_name(dt, ex, step)} {w}", []).append(time.perf_counter() - t)
                 if e.target.native_step is not None:
@@ -126,6 +168,9 @@ def measure(args) -> None:
             "read_gb_per_s": round(bandwidth / 1e9, 1),
             "read_gb_per_s_rounds": [round(b / 1e9, 1) for b in bandwidths],
         },
+        "target": engines[next(iter(engines))].target.config.model_type
+        + ("" if args.target is None else f" ({args.target})"),
+        "commit": True,  # each timed forward commits its W tokens (results before 2026-12-07 did not)
         "floor_ms": floor,
         "kernels": {
             config_name(*c): (getattr(e.target, "exactness", None) or {}).get("kernels", {}) for c, e in engines.items()
@@ -170,8 +215,9 @@ def table_of(res: dict) -> str:
     lines = [
         f"{m['processor']}, {m['threads']} threads, torch {m['torch']}, CPU flags: "
         f"{', '.join(m['flags']) or 'no amx_bf16 / avx512_bf16'} (a 16-row bf16 product at "
-        f"{m['bf16_speedup']:.2f}x fp32's speed); target forward + logits after {res['context']} tokens, ms "
-        "(median), and in plain steps of the same configuration",
+        f"{m['bf16_speedup']:.2f}x fp32's speed); target{' ' + res['target'] if 'target' in res else ''} forward + "
+        f"logits{' (+ commit)' if res.get('commit') else ''} after {res['context']} tokens, ms (median), and in plain "
+        "steps of the same configuration",
         "",
         "| configuration | step | bit-exact | " + " | ".join(f"W = {w}" for w in WIDTHS) + " |",
         "|---|---|---|" + "---|" * len(WIDTHS),
@@ -233,11 +279,20 @@ def main(argv=None):
             argv=argv[1:],
             results=(None, "a results folder of `exact_cost.py measure`"),
         )
+    if argv and argv[0] == "random-target":
+        ap = argparse.ArgumentParser(description="a target folder of a public model's shapes, random weights")
+        ap.add_argument("dir")
+        ap.add_argument("--shape", choices=list(SHAPES), default="qwen3.5-0.8b")
+        random_target(ap.parse_args(argv[1:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", choices=["measure"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--target", help="a target folder (default: the default target)")
+    dtypes = ["float32", "bfloat16"]
+    ap.add_argument("--dtypes", nargs="+", default=dtypes, choices=dtypes, help="the dtypes to run")
     measure(ap.parse_args(argv))
     return 0
 

@@ -17,7 +17,7 @@ from blockdraft.batcher import generate_steps
 from blockdraft.decode import DecodeLoop
 from blockdraft.draft import DFlashDrafter, DraftConfig
 from blockdraft.errors import BlockdraftError
-from blockdraft.models import exact, load_target, quant
+from blockdraft.models import exact, load_target, native, native_step, quant
 from blockdraft.proposers import DFlashProposer, DFlashTreeProposer, LookupProposer, Proposer
 from blockdraft.sequences import Request
 
@@ -312,25 +312,37 @@ def near_ties(tmp_path_factory):
     return path
 
 
-def low_precision(path, dtype):
+# the step each low-precision run takes: bf16 through the fused native step (where this CPU runs it)
+# and through the eager layers; fp16 only eagerly (the native step is bf16's)
+STEPS = {
+    "bf16-native": (torch.bfloat16, "native"),
+    "bf16-eager": (torch.bfloat16, f"eager: {native_step.ENV}=0"),
+    "fp16": (torch.float16, "eager: bf16 on a CPU only"),
+}
+needs_native = pytest.mark.skipif(not native.supported(), reason="no AVX512-BF16 (or no compiler) here")
+
+
+def low_precision(path, dtype, step, monkeypatch):
+    if step.startswith(f"eager: {native_step.ENV}"):
+        monkeypatch.setenv(native_step.ENV, "0")
     target = load_target(path, dtype=dtype)
     summary = exact.make_exact(target)
     assert summary["exact"] and summary["attention_chunk"] == exact.ATTENTION_CHUNK
-    assert summary["step"] == "eager: not a Llama-family target"
+    assert summary["step"] == step
     torch.manual_seed(4)
     cfg = DraftConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=63, target_layer_ids=[1, 2])
     return target, DFlashDrafter(cfg).to(dtype).eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_native) if v == "bf16-native" else v for v in STEPS])
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
-def test_every_method_gives_plain_decodings_tokens_in_low_precision(near_ties, dtype, temperature):
+def test_every_method_gives_plain_decodings_tokens_in_low_precision(near_ties, variant, temperature, monkeypatch):
     """Exact mode on a hybrid target: its products through one row-independent kernel, the
     full-attention layers' attention chunked, the linear layers' recurrence token by token after
-    the prefill. DFlash chains (blocks 4 and 8, the adaptive policy's widths) and prompt lookup
-    give `ar`'s tokens on 24 prompts of 1 to 70 tokens, greedy and seeded sampling, one row and 24
-    rows a step."""
-    target, drafter = low_precision(near_ties, dtype)
+    the prefill; or all of it in the fused native step. DFlash chains (blocks 4 and 8, the adaptive
+    policy's widths) and prompt lookup give `ar`'s tokens on 24 prompts of 1 to 70 tokens, greedy
+    and seeded sampling, one row and 24 rows a step."""
+    target, drafter = low_precision(near_ties, *STEPS[variant], monkeypatch)
     prompts = prompts24()
     with torch.inference_mode():
         ar = [run_rows(target, Proposer(), [p], 1, temperature=temperature, first=i)[0] for i, p in enumerate(prompts)]
@@ -342,6 +354,26 @@ def test_every_method_gives_plain_decodings_tokens_in_low_precision(near_ties, d
         assert run_rows(target, LookupProposer(), prompts, 4, temperature=temperature, batch_size=5) == ar
 
 
+def rounded_in_blocks(steps):
+    """A mutant of the gated delta rule `steps` (eager: `delta_rule_steps`): run token by token, but
+    within a block of several tokens the state rounded to bf16 after each."""
+
+    def mutant(q, k, v, g, beta, state):
+        if q.shape[1] == 1:
+            return steps(q, k, v, g, beta, state)
+        outs, states = [], []
+        for i in range(q.shape[1]):
+            out, after = steps(
+                q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], g[:, i : i + 1], beta[:, i : i + 1], state
+            )
+            state = after[:, 0].bfloat16().float()
+            outs.append(out)
+            states.append(after)
+        return torch.cat(outs, 1), torch.cat(states, 1)
+
+    return mutant
+
+
 @pytest.mark.parametrize("mutant", ["product", "recurrence"])
 def test_a_width_dependent_hybrid_layer_changes_speculative_output(near_ties, monkeypatch, mutant):
     """The comparison above catches the bugs it is for: a linear layer's input product made
@@ -350,33 +382,124 @@ def test_a_width_dependent_hybrid_layer_changes_speculative_output(near_ties, mo
     decoding's on the same prompts."""
     from blockdraft.models import qwen3_5
 
-    target, drafter = low_precision(near_ties, torch.bfloat16)
+    target, drafter = low_precision(near_ties, *STEPS["bf16-eager"], monkeypatch)
     if mutant == "product":
         layer = target.model.layers[0].linear_attn.in_proj
         with torch.inference_mode():
             layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # the product keeps its kernel now
         monkeypatch.setattr(layer.product, "_fn", split_sum)
     else:
-        steps = qwen3_5.delta_rule_steps
-
-        def rounded_in_blocks(q, k, v, g, beta, state):
-            if q.shape[1] == 1:
-                return steps(q, k, v, g, beta, state)
-            outs, states = [], []
-            for i in range(q.shape[1]):
-                out, after = steps(
-                    q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], g[:, i : i + 1], beta[:, i : i + 1], state
-                )
-                state = after[:, 0].bfloat16().float()
-                outs.append(out)
-                states.append(after)
-            return torch.cat(outs, 1), torch.cat(states, 1)
-
-        monkeypatch.setattr(qwen3_5, "delta_rule_steps", rounded_in_blocks)
+        monkeypatch.setattr(qwen3_5, "delta_rule_steps", rounded_in_blocks(qwen3_5.delta_rule_steps))
     prompts = prompts24()
     with torch.inference_mode():
         ar = [run_rows(target, Proposer(), [p], 1)[0] for p in prompts]
         assert run_rows(target, DFlashProposer(drafter, target), prompts, 8) != ar
+
+
+@needs_native
+def test_a_width_dependent_native_hybrid_step_is_caught(near_ties, monkeypatch):
+    """The same for the fused step: one that sends verify blocks through the eager layers (other
+    roundings) and single tokens through the native kernel fails the check at load, which keeps
+    the eager step; put in place past that check, it changes speculative output on the 24 prompts."""
+    call = native_step.NativeHybridStep.__call__
+
+    def mutant(self, tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(), only=False):
+        if tokens.shape[1] == 1 or bool((positions[:, 0] == 0).all()):
+            return call(self, tokens, positions, cache, slots, mask, rows, capture, only)
+        model, model.native_step = self.model, None
+        try:
+            return model(
+                tokens, positions, cache, slots=slots, mask=mask, rows=rows, capture=capture, features_only=only
+            )
+        finally:
+            model.native_step = self
+
+    monkeypatch.setattr(native_step.NativeHybridStep, "__call__", mutant)
+    target, drafter = low_precision(near_ties, torch.bfloat16, "eager: its check on random tokens failed", monkeypatch)
+    target.native_step = native_step.NativeHybridStep(target)
+    prompts = prompts24()
+    with torch.inference_mode():
+        ar = [run_rows(target, Proposer(), [p], 1)[0] for p in prompts]
+        assert run_rows(target, DFlashProposer(drafter, target), prompts, 8) != ar
+
+
+@needs_native
+def test_the_native_hybrid_steps_replay_keeps_the_states_of_the_accepted_tokens(near_ties):
+    """After a verify block of 6 tokens of which a row keeps 0, 2 or 6 (two rows of different
+    lengths), the committed linear-attention states (replayed from the block's trace) and conv
+    inputs equal bit for bit those after decoding the kept tokens one at a time, and so does the
+    next step's output."""
+    target = load_target(near_ties, dtype=torch.bfloat16)
+    assert exact.make_exact(target)["step"] == "native"
+    seq = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(9))
+    starts = (11, 17)
+
+    def prefilled():
+        cache = target.new_cache(2, 64)
+        for b, n in enumerate(starts):  # hybrid rows prefill one at a time
+            target(seq[b : b + 1, :n], torch.arange(n)[None], cache, rows=slice(b, b + 1))
+            target.commit(cache, slice(b, b + 1), torch.tensor([n]))
+        return cache
+
+    def next_step(cache, lengths):
+        positions = torch.tensor(lengths)[:, None]
+        return target(seq.gather(1, positions), positions, cache)[0]
+
+    with torch.inference_mode():
+        for keep in ((0, 2), (2, 6), (6, 0)):
+            block = prefilled()
+            positions = torch.tensor(starts)[:, None] + torch.arange(6)
+            target(seq.gather(1, positions), positions, block)
+            target.commit(block, slice(None), torch.tensor(starts) + torch.tensor(keep))
+            alone = prefilled()
+            for i in range(max(keep)):
+                rows = [b for b in range(2) if i < keep[b]]
+                for b in rows:
+                    p = torch.tensor([[starts[b] + i]])
+                    target(seq[b : b + 1, starts[b] + i][:, None], p, alone, rows=slice(b, b + 1))
+                    target.commit(alone, slice(b, b + 1), p[0] + 1)
+            assert torch.equal(block.state, alone.state) and torch.equal(block.conv, alone.conv), keep
+            lengths = [s + k for s, k in zip(starts, keep, strict=True)]
+            assert torch.equal(next_step(block, lengths), next_step(alone, lengths)), keep
+
+
+@needs_native
+def test_the_native_hybrid_step_is_as_close_to_fp32_as_the_eager_bf16_layers(monkeypatch):
+    """Through a cache shared by two rows (a prefill, single tokens, blocks; each kept whole): the
+    fused step's logits and captured features are as close to the fp32 model's as the eager bf16
+    layers' are, and it keeps the same conv inputs and states for `commit`."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(7)
+    hf = Qwen3_5ForCausalLM(text_config(initializer_range=0.05)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = f"{pytest.importorskip('tempfile').mkdtemp()}/q35"
+    hf.save_pretrained(path)
+    seq = torch.randint(1, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        cache, n, out = model.new_cache(2, 128), torch.zeros(2, dtype=torch.long), []
+        for t in (40, 1, 5, 1, 16, 3):
+            positions = n[:, None] + torch.arange(t)
+            with torch.inference_mode():
+                h, f = model(seq.gather(1, positions), positions, cache, capture=(1, 2))
+                out += [model.logits(h).float(), f.float()]
+            n += t
+            model.commit(cache, slice(None), n)
+        return out + [cache.state.clone(), cache.conv.float()]
+
+    ref = run(load_target(path, dtype=torch.float32))
+    fused = load_target(path, dtype=torch.bfloat16)
+    assert exact.make_exact(fused)["step"] == "native"
+    monkeypatch.setenv(native_step.ENV, "0")
+    eager = load_target(path, dtype=torch.bfloat16)
+    assert exact.make_exact(eager)["step"].startswith("eager")
+    for got, theirs, r in zip(run(fused), run(eager), ref, strict=True):
+        error = ((got - r).norm() / r.norm()).item()
+        assert error <= max(1.5 * ((theirs - r).norm() / r.norm()).item(), 4e-3), error
 
 
 def test_unsupported_uses_are_clear_errors(hybrid, drafter, tmp_path):

@@ -264,7 +264,7 @@ def use_native_step(model) -> str:
 
     why = native_step.unsupported(model)
     if why is None:
-        step = native_step.NativeStep(model)
+        step = native_step.step_for(model)
         with torch.no_grad():
             if native_step.row_independent(model, step):
                 model.native_step = step

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native_linear.cpp", HERE / "native_step.cpp", HERE / "native_draft.cpp"]
+SOURCES = [HERE / n for n in ("native_linear.cpp", "native_step.cpp", "native_hybrid.cpp", "native_draft.cpp")]
 HEADER = HERE / "native.h"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, inlined from its headers, and runs on one
 # thread without it (the libgomp.so.1 torch already loaded serves the extension too)

@@ -261,6 +261,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("linear_packed", &linear_packed, "a row-independent bf16 product from a weight packed by native.pack");
     m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");
     m.def("llama_forward", &llama_forward, "a whole cached forward of a Llama-family target, row-independent");
+    m.def("qwen3_5_forward", &qwen3_5_forward, "a whole cached forward of a Qwen3.5 target, row-independent");
+    m.def("delta_rule_replay", &delta_rule_replay, "a linear-attention layer's states after the kept tokens of a trace");
     m.def("dflash_context", &dflash_context, "a DFlash drafter's KV injection of new context features");
     m.def("markov_greedy", &markov_greedy, "a DSpark drafter's greedy Markov-head chain over a block");
 }

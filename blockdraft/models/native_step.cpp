@@ -36,42 +36,46 @@ struct Layer {
 };
 constexpr size_t PER_LAYER = 12;
 
+using blockdraft::exp16;
 using blockdraft::lanes;
 using blockdraft::load16;
+using blockdraft::store16;
 
-// 16 fp32 values (the lanes outside m left alone) into bf16, rounded to nearest even
-inline void store16(bf16* p, __m512 v, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+}  // namespace
 
 // a = bf16(a + b), n values
-void add(bf16* a, const bf16* b, int64_t n) {
+void blockdraft::add(bf16* a, const bf16* b, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = lanes(n - i);
         store16(a + i, _mm512_add_ps(load16(a + i, m), load16(b + i, m)), m);
     }
 }
 
-}  // namespace
-
-// y = bf16(w * x / rms(x)) per row; the sum of squares in one order (16 lanes, then across them)
-void blockdraft::rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps) {
+// y = bf16((w + offset) * x / rms(x)) per row; the sum of squares in one order (16 lanes, then across them)
+void blockdraft::rms_norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, float eps, float offset) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 v = load16(x + i, lanes(n - i));
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+    const __m512 shift = _mm512_set1_ps(offset);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = lanes(n - i);
-        store16(y + i, _mm512_mul_ps(load16(w + i, m), _mm512_mul_ps(load16(x + i, m), inv)), m);
+        const __m512 scale = _mm512_add_ps(load16(w + i, m), shift);
+        store16(y + i, _mm512_mul_ps(scale, _mm512_mul_ps(load16(x + i, m), inv)), m);
     }
 }
 
 
-// q/k norm (Qwen3) and rotary embedding of one head in place: x[i] * cos[i] + x[(i + D/2) % D] * sin[i]
-// (the sin table carries the sign of the rotation), rounded once; 16 lanes at a time where D/2 is a
-// multiple of 16, else one value at a time (a model always takes the same path)
-void blockdraft::rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps) {
-    if (d % 32 == 0 && d <= 512) {
+// q/k norm (Qwen3's; Qwen3.5's scales by 1 + weight: offset 1) and rotary embedding of the first `rot`
+// values of one head of d in place (rot 0: all): x[i] * cos[i] + x[(i + rot/2) % rot] * sin[i] (the sin table
+// carries the sign of the rotation), rounded once; 16 lanes at a time where rot = d and d/2 is a multiple of
+// 16 and there is no offset, else one value at a time (a model always takes the same path)
+void blockdraft::rotate(bf16* x, const bf16* norm, const float* cos, const float* sin, int64_t d, float eps,
+                        float offset, int64_t rot) {
+    if (rot == 0) rot = d;
+    if (d % 32 == 0 && d <= 512 && rot == d && offset == 0.f) {
         const int64_t C = d / 16;
         __m512 v[32];
         __m512 ss = _mm512_setzero_ps();
@@ -92,44 +96,25 @@ void blockdraft::rotate(bf16* x, const bf16* norm, const float* cos, const float
         }
         return;
     }
+    TORCH_CHECK(d <= 512 && rot <= d && rot % 2 == 0, "head size");
     float v[512];
     for (int64_t i = 0; i < d; ++i) v[i] = f(x[i]);
     if (norm != nullptr) {
         float ss = 0.f;
         for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
         const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-        for (int64_t i = 0; i < d; ++i) v[i] = f(bf16(f(norm[i]) * f(bf16(v[i] * inv))));
+        for (int64_t i = 0; i < d; ++i)  // as the eager norms round: twice (Qwen3's), once (1 + weight)
+            v[i] = offset == 0.f ? f(bf16(f(norm[i]) * f(bf16(v[i] * inv)))) : f(bf16((f(norm[i]) + offset) * (v[i] * inv)));
     }
-    const int64_t h = d / 2;
-    for (int64_t i = 0; i < d; ++i) x[i] = bf16(v[i] * cos[i] + v[(i + h) % d] * sin[i]);
+    const int64_t h = rot / 2;
+    for (int64_t i = 0; i < rot; ++i) x[i] = bf16(v[i] * cos[i] + v[(i + h) % rot] * sin[i]);
+    for (int64_t i = rot; i < d; ++i) x[i] = bf16(v[i]);
 }
 
 namespace {
 
 using blockdraft::rotate;
 
-void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; ++r) blockdraft::rms_norm_row(x + r * n, w, y + r * n, n, eps);
-}
-
-// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error
-// ~1e-7), times 2^n. Lane by lane the same arithmetic, so a value's result does not depend on its lane.
-inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 // e^(x[i] - shift) in place for n values, in lanes of 16 (the last partial one masked)
 void exp_shifted(float* x, int64_t n, float shift) {
@@ -152,10 +137,8 @@ float blockdraft::exp_sum(const bf16* x, int64_t n, float top) {
     return _mm512_reduce_add_ps(acc);
 }
 
-namespace {
-
 // a[j] = bf16(silu(g[j]) * u[j]) for n values, 16 lanes at a time (the last partial one masked)
-void silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
+void blockdraft::silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = lanes(n - i);
         const __m512 z = load16(g + i, m), up = load16(u + i, m);
@@ -163,6 +146,8 @@ void silu_mul(const bf16* g, const bf16* u, bf16* a, int64_t n) {
         store16(a + i, _mm512_mul_ps(_mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), up), m);
     }
 }
+
+namespace {
 
 // Attention of G query heads q [G, D] (fp32) that share one KV head, over the n cache slots `vis` (in that
 // order) of k/v [slots, D]: out [G, D] (bf16). Per head: scores (a dot product in one order), softmax
@@ -221,11 +206,73 @@ void attend(const float* q, const float* k, const float* v, const int32_t* vis, 
         case 8: attend_heads<8>(q, k, v, vis, n, G, scale, score, out); break;
         case 2: attend_heads<2>(q, k, v, vis, n, G, scale, score, out); break;
         case 1: attend_heads<1>(q, k, v, vis, n, G, scale, score, out); break;
-        default: TORCH_CHECK(false, "head_dim ", D, ": the native step runs 16, 32, 64 and 128");
+        case 16: attend_heads<16>(q, k, v, vis, n, G, scale, score, out); break;
+        default: TORCH_CHECK(false, "head_dim ", D, ": the native step runs 16, 32, 64, 128 and 256");
     }
 }
 
 }  // namespace
+
+
+blockdraft::Visible blockdraft::visible_slots(torch::Tensor visible, const int64_t* pos, int64_t B, int64_t T,
+                                              int64_t S, int64_t window) {
+    const int64_t R = B * T;
+    Visible out;
+    out.start.assign(R + 1, 0);
+    if (visible.numel()) {
+        visible = visible.contiguous();
+        TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == B && visible.size(1) == T, "visible");
+        const int64_t V = std::min<int64_t>(visible.size(2), S);
+        const bool* vis = visible.data_ptr<bool>();
+        for (int64_t i = 0; i < R; ++i) {
+            for (int64_t s = 0; s < V; ++s)
+                if (vis[i * visible.size(2) + s]) out.seen.push_back(static_cast<int32_t>(s));
+            out.start[i + 1] = static_cast<int64_t>(out.seen.size());
+        }
+    } else {
+        for (int64_t i = 0; i < R; ++i) {
+            const int64_t first = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
+            for (int64_t s = first; s <= pos[i]; ++s) out.seen.push_back(static_cast<int32_t>(s));
+            out.start[i + 1] = static_cast<int64_t>(out.seen.size());
+        }
+    }
+    for (int64_t i = 0; i < R; ++i) out.most = std::max(out.most, out.start[i + 1] - out.start[i]);
+    return out;
+}
+
+void blockdraft::attention(const bf16* q, int64_t q_row, int64_t q_step, const float* kl, const float* vl,
+                           const Visible& vis, int64_t row0, int64_t T, int64_t R, int64_t heads, int64_t kv_heads,
+                           int64_t S, int64_t D, bf16* out) {
+    const int64_t G = heads / kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    // one task per (token, KV head), its G query heads together over the visible slots
+    at::parallel_for(0, R * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> score(std::max<int64_t>(vis.most, 1) * G), qf(G * D);
+        for (int64_t task = t0; task < t1; ++task) {
+            const int64_t i = task / kv_heads, h = task % kv_heads, b = i / T;
+            const int64_t cache_row = ((row0 + b) * kv_heads + h) * S * D;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t j = 0; j < D; ++j) qf[g * D + j] = f(q[i * q_row + (h * G + g) * q_step + j]);
+            attend(qf.data(), kl + cache_row, vl + cache_row, vis.seen.data() + vis.start[i],
+                   vis.start[i + 1] - vis.start[i], G, D, scale, score.data(), out + i * heads * D + h * G * D);
+        }
+    });
+}
+
+void blockdraft::mlp(bf16* hidden, const bf16* norm, float offset, const bf16* gu_w, const bf16* gu_b,
+                     const bf16* down_w, const bf16* down_b, int64_t R, int64_t H, int64_t I, float eps, Scratch s) {
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(hidden + r * H, norm, s.normed + r * H, H, eps, offset);
+    product_packed(s.normed, gu_w, gu_b, s.gu, R, H, 2 * I);
+    for (int64_t i = 0; i < R; ++i) silu_mul(s.gu + i * 2 * I, s.gu + i * 2 * I + I, s.act + i * I, I);
+    product_packed(s.act, down_w, down_b, s.tmp, R, I, H);
+    add(hidden, s.tmp, R * H);
+}
+
+void blockdraft::keep_feature(const bf16* hidden, torch::Tensor& features, int64_t c, int64_t R, int64_t H) {
+    bf16* fp = features.data_ptr<bf16>();
+    const int64_t width = features.size(2);
+    for (int64_t i = 0; i < R; ++i) std::copy(hidden + i * H, hidden + (i + 1) * H, fp + i * width + c * H);
+}
 
 std::vector<torch::Tensor> llama_forward(
     torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor visible, int64_t window,
@@ -238,40 +285,19 @@ std::vector<torch::Tensor> llama_forward(
     TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 512 && heads % kv_heads == 0, "head shape");
     TORCH_CHECK(weights.size() % PER_LAYER == 0 && last < static_cast<int64_t>(weights.size() / PER_LAYER), "weights");
     const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, D = head_dim;
-    const int64_t S = k_cache.size(3), Bc = k_cache.size(1), G = heads / kv_heads;
+    const int64_t S = k_cache.size(3), Bc = k_cache.size(1);
     TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(4) == D && row0 + B <= Bc, "cache shape");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(1) == D, "rotary tables: [P, D] fp32");
-    const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const float eps = static_cast<float>(eps_);
     positions = positions.contiguous();
     slots = slots.contiguous();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < R; ++i)
         TORCH_CHECK(slot[i] >= 0 && slot[i] < S && pos[i] >= 0 && pos[i] < cos.size(0), "slot or position out of range");
-
     // each token's visible slots, in slot order: from `visible` [B, T, >= used], or (empty) every slot up to
     // its own position within the window (slot = position)
-    std::vector<int64_t> start(R + 1, 0);
-    std::vector<int32_t> seen;
-    if (visible.numel()) {
-        visible = visible.contiguous();
-        TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == B && visible.size(1) == T, "visible");
-        const int64_t V = std::min<int64_t>(visible.size(2), S);
-        const bool* vis = visible.data_ptr<bool>();
-        for (int64_t i = 0; i < R; ++i) {
-            for (int64_t s = 0; s < V; ++s)
-                if (vis[i * visible.size(2) + s]) seen.push_back(static_cast<int32_t>(s));
-            start[i + 1] = static_cast<int64_t>(seen.size());
-        }
-    } else {
-        for (int64_t i = 0; i < R; ++i) {
-            const int64_t first = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
-            for (int64_t s = first; s <= pos[i]; ++s) seen.push_back(static_cast<int32_t>(s));
-            start[i + 1] = static_cast<int64_t>(seen.size());
-        }
-    }
-    int64_t most = 0;
-    for (int64_t i = 0; i < R; ++i) most = std::max(most, start[i + 1] - start[i]);
+    const blockdraft::Visible vis = blockdraft::visible_slots(visible, pos, B, T, S, window);
 
     const size_t L = weights.size() / PER_LAYER;
     std::vector<Layer> layers(L);
@@ -294,7 +320,8 @@ std::vector<torch::Tensor> llama_forward(
     torch::Tensor features;
     if (!capture.empty()) features = torch::empty({B, T, static_cast<int64_t>(capture.size()) * H}, opts);
     bf16 *hp = hidden.data_ptr<bf16>(), *np = normed.data_ptr<bf16>(), *tp = tmp.data_ptr<bf16>();
-    bf16 *qp = qkv.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *cp = act.data_ptr<bf16>();
+    bf16 *qp = qkv.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>();
+    const blockdraft::Scratch scratch{np, gu.data_ptr<bf16>(), act.data_ptr<bf16>(), tp};
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
     const float* cosp = cos.data_ptr<float>();
@@ -305,7 +332,7 @@ std::vector<torch::Tensor> llama_forward(
         const Layer& w = layers[l];
         float* kl = kc + l * layer_stride;
         float* vl = vc + l * layer_stride;
-        rms_norm(hp, w.ln1, np, R, H, eps);
+        for (int64_t r = 0; r < R; ++r) blockdraft::rms_norm_row(hp + r * H, w.ln1, np + r * H, H, eps);
         blockdraft::product_packed(np, w.qkv_w, w.qkv_b, qp, R, H, NQKV);
         // rotary (and q/k norms), then this call's keys and values into their cache slots
         for (int64_t i = 0; i < R; ++i) {
@@ -323,36 +350,18 @@ std::vector<torch::Tensor> llama_forward(
                 for (int64_t j = 0; j < D; ++j) kd[j] = f(k[j]), vd[j] = f(v[j]);
             }
         }
-        // attention: one task per (token, KV head), its G query heads together over the visible slots
-        at::parallel_for(0, R * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-            std::vector<float> score(std::max<int64_t>(most, 1) * G), q(G * D);
-            for (int64_t task = t0; task < t1; ++task) {
-                const int64_t i = task / kv_heads, h = task % kv_heads, b = i / T;
-                const int64_t cache_row = ((row0 + b) * kv_heads + h) * S * D;
-                for (int64_t j = 0; j < G * D; ++j) q[j] = f(qp[i * NQKV + h * G * D + j]);
-                attend(q.data(), kl + cache_row, vl + cache_row, seen.data() + start[i], start[i + 1] - start[i],
-                       G, D, scale, score.data(), ap + i * NQ + h * G * D);
-            }
-        });
+        blockdraft::attention(qp, NQKV, D, kl, vl, vis, row0, T, R, heads, kv_heads, S, D, ap);
         blockdraft::product_packed(ap, w.o_w, w.o_b, tp, R, NQ, H);
-        add(hp, tp, R * H);
-        rms_norm(hp, w.ln2, np, R, H, eps);
-        const int64_t I = w.inter;
-        blockdraft::product_packed(np, w.gu_w, w.gu_b, gp, R, H, 2 * I);
-        for (int64_t i = 0; i < R; ++i) silu_mul(gp + i * 2 * I, gp + i * 2 * I + I, cp + i * I, I);
-        blockdraft::product_packed(cp, w.down_w, w.down_b, tp, R, I, H);
-        add(hp, tp, R * H);
+        blockdraft::add(hp, tp, R * H);
+        blockdraft::mlp(hp, w.ln2, 0.f, w.gu_w, w.gu_b, w.down_w, w.down_b, R, H, w.inter, eps, scratch);
         for (size_t c = 0; c < capture.size(); ++c)
-            if (capture[c] == l) {
-                bf16* fp = features.data_ptr<bf16>();
-                const int64_t width = static_cast<int64_t>(capture.size()) * H;
-                for (int64_t i = 0; i < R; ++i) std::copy(hp + i * H, hp + (i + 1) * H, fp + i * width + c * H);
-            }
+            if (capture[c] == l) blockdraft::keep_feature(hp, features, static_cast<int64_t>(c), R, H);
     }
     torch::Tensor out;
     if (final_hidden) {
         out = torch::empty({B, T, H}, opts);
-        rms_norm(hp, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>(), R, H, eps);
+        for (int64_t r = 0; r < R; ++r)
+            blockdraft::rms_norm_row(hp + r * H, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>() + r * H, H, eps);
     }
     return {out, features};
 }

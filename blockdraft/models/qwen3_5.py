@@ -52,7 +52,8 @@ class HybridCache:
     A forward never writes the committed states. Each linear layer leaves in `pending` its conv
     inputs (the committed ones first) and its recurrent state after each token, and `commit`
     copies those at each row's new committed length: rejected drafts are never copied. (Those
-    kept states cost T x H x dk x dv fp32 per linear layer and row for a forward of T tokens.)"""
+    kept states cost T x H x dk x dv fp32 per linear layer and row for a forward of T tokens; the
+    fused native step keeps each token's recurrence inputs instead and replays the kept ones.)"""
 
     def __init__(
         self,
@@ -93,12 +94,16 @@ class HybridCache:
         arange = torch.arange(b, device=kept.device)
         for layer, (inputs, states) in enumerate(self.pending):
             t = inputs.shape[1] - k1
-            if states.shape[1] < t and not bool(((kept == 0) | (kept == t)).all()):
+            replay = callable(states)  # the fused step's replay of the kept tokens (`native_step.Replay`)
+            if not replay and states.shape[1] < t and not bool(((kept == 0) | (kept == t)).all()):
                 raise BlockdraftError(
                     "a prefill keeps only its final state: prefill rows of different lengths "
                     "one at a time, and commit every token of it"
                 )
             self.conv[layer, rows] = inputs[arange[:, None], kept[:, None] + torch.arange(k1, device=kept.device)]
+            if replay:
+                states(self.state[layer, rows], kept, self.fresh)
+                continue
             # states[:, i] follows token t - S + i of the forward's t (S = t: every token; S = 1: the last)
             picked = states[arange, (kept - 1 - (t - states.shape[1])).clamp(min=0)]
             state = self.state[layer, rows]
