@@ -34,14 +34,59 @@ from .draft_config import DraftConfig, read_draft_config
 from .draft_head import FloatHead, Int8Head
 
 
+class BlockMask:
+    """What the queries of a training forward see, in a form attention can use without the dense
+    mask's zeros (`attend_blocks`): each query the context keys `context` [N, Tq, C] marks, and
+    every query of its own block (queries jB .. jB + B - 1 form block j). The dense mask [N, 1, Tq,
+    C + Tq] `build_blocks` makes is the same thing with a Tq x Tq block-diagonal part."""
+
+    def __init__(self, context: torch.Tensor, block_size: int):
+        self.context, self.block_size = context, block_size
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> BlockMask:
+        """The dense training mask [N, 1, Tq, C + Tq] of `build_blocks` in this form."""
+        t = mask.shape[-2]
+        own = mask[0, 0, 0, mask.shape[-1] - t :]
+        b = int(own.sum())
+        if b == 0 or t % b or not torch.equal(own, torch.arange(t, device=own.device) < b):
+            raise ValueError("not a block-diagonal training mask")
+        return cls(mask[:, 0, :, : mask.shape[-1] - t], b)
+
+    def own_only(self) -> BlockMask:
+        """The same queries, seeing their own blocks only (no context)."""
+        return BlockMask(self.context[..., :0], self.block_size)
+
+
+def attend_blocks(q, ctx_k, ctx_v, k, v, mask: BlockMask) -> torch.Tensor:
+    """`attend` under a `BlockMask`: q [N, H, Tq, D] against the context keys ctx_k [N, KV, C, D]
+    it may see and its own block's B keys of k [N, KV, Tq, D], one softmax (fp32) over both; what
+    the dense mask gives, without scoring the Tq - B block keys every query may not see (a training
+    forward of 32 blocks of 16 attends to 1/32 of them)."""
+    n, h, t, d = q.shape
+    kv, b, c = k.shape[1], mask.block_size, ctx_k.shape[2]
+    g, a = h // kv, t // b
+    qg = q.reshape(n, kv, g, t, d)  # query head i uses KV head i // g
+    ctx = (qg.reshape(n, kv, g * t, d) @ ctx_k.transpose(-1, -2)).view(n, kv, g, t, c)
+    ctx = ctx.masked_fill(~mask.context[:, None, None], float("-inf"))
+    own = (qg.view(n, kv, g, a, b, d) @ k.view(n, kv, 1, a, b, d).transpose(-1, -2)).view(n, kv, g, t, b)
+    p = (torch.cat([ctx, own], -1).float() * d**-0.5).softmax(-1).to(q.dtype)
+    out = (p[..., :c].reshape(n, kv, g * t, c) @ ctx_v).view(n, kv, g, t, d)
+    out = out + (p[..., c:].reshape(n, kv, g, a, b, b) @ v.view(n, kv, 1, a, b, d)).view(n, kv, g, t, d)
+    return out.view(n, h, t, d)
+
+
 def sliding_mask(
     mask: torch.Tensor, positions: torch.Tensor, context_positions: torch.Tensor, window: int
 ) -> torch.Tensor:
     """A drafter mask [B, 1, Tq, C + Tq] for a sliding-window layer: a query at position q keeps
-    only the context keys at positions > q - window (its own block stays visible)."""
-    near = context_positions[:, None, None, :] > positions[:, None, :, None] - window
-    block = near.new_ones(*near.shape[:-1], mask.shape[-1] - near.shape[-1])
-    return mask & torch.cat([near, block], dim=-1)
+    only the context keys at positions > q - window (its own block stays visible); a `BlockMask`
+    gives a `BlockMask`."""
+    near = context_positions[:, None, :] > positions[:, :, None] - window  # [B, Tq, C]
+    if isinstance(mask, BlockMask):
+        return BlockMask(mask.context & near, mask.block_size)
+    block = near.new_ones(near.shape[0], 1, near.shape[1], mask.shape[-1] - near.shape[-1])
+    return mask & torch.cat([near[:, None], block], dim=-1)
 
 
 class DraftCache(nn.Module):
@@ -121,7 +166,10 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        if isinstance(mask, BlockMask):
+            out = attend_blocks(q, ctx_k, ctx_v, k, v, mask)
+        else:
+            out = attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -344,7 +392,8 @@ class DFlashDrafter(DrafterBase):
         `context_positions` [B, C].
 
         Training (cache None): keys are [context, blocks]; `mask` [B, 1, Tq, C+Tq] says
-        which each query sees (a block: context strictly before its anchor, and itself).
+        which each query sees (a block: context strictly before its anchor, and itself), or a
+        `BlockMask` says the same without scoring other blocks' keys.
         Decoding (cache given): new context (if any) is first written into the cache, then
         every block query sees cached context at positions strictly before its anchor
         (`positions[:, 0]`) plus its whole block; `rows` picks the cache's batch rows.
@@ -369,7 +418,8 @@ class DFlashDrafter(DrafterBase):
         for i, layer in enumerate(self.layers):
             if i >= self.context_layers:  # this layer sees its block only
                 empty = x.new_zeros(x.shape[0], layer.self_attn.kv_heads, 0, layer.self_attn.head_dim)
-                x = layer(x, cos, sin, empty, empty, mask[..., mask.shape[-1] - x.shape[1] :])
+                own = mask.own_only() if isinstance(mask, BlockMask) else mask[..., mask.shape[-1] - x.shape[1] :]
+                x = layer(x, cos, sin, empty, empty, own)
                 continue
             if cache is None:
                 ctx_k, ctx_v = layer.self_attn.keys_values(fused, ctx_cos, ctx_sin)

@@ -119,9 +119,11 @@ def _dflash_build(target_config, cfg, draft_vocab_size):
 
 
 def _dflash_train_hidden(model, target, batch, tokens, features, positions):
+    from .draft import BlockMask
+
     dev = tokens.device
     noise = target.embed(batch.block_tokens.to(dev))
-    return model(noise, batch.block_positions.to(dev), features, positions, mask=batch.mask.to(dev))
+    return model(noise, batch.block_positions.to(dev), features, positions, mask=BlockMask.of(batch.mask.to(dev)))
 
 
 def _dflash_init(drafter, target, how):

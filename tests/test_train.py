@@ -1376,3 +1376,48 @@ def test_a_run_saved_before_position_weights_existed_resumes_with_the_fixed_deca
     assert resumed.step == 2 and resumed.dpace_alpha is None
     with pytest.raises(BlockdraftError, match="other settings"):
         Trainer(tiny_config(root, tmp_path / "a", max_steps=4), resume=True)  # the default now: dpace
+
+
+@pytest.mark.parametrize("variant", ["full", "window", "input"])
+def test_the_block_mask_attends_as_the_dense_mask(variant):
+    """A training forward under `BlockMask` (each block scores the context and its own keys only)
+    gives the dense mask's hidden states and gradients, to fp32 noise: every layer full, one
+    sliding-window layer, context in the first layer only. Padding blocks (a short sequence) and
+    an anchor at the first answer token are among them."""
+    from blockdraft.draft import BlockMask, DraftConfig
+    from blockdraft.models.config import TargetConfig
+
+    cfg = TargetConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 50,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    window = dict(sliding_window=5, full_layers=[1]) if variant == "window" else {}
+    dcfg = DraftConfig.for_target(cfg, num_layers=2, block_size=4, mask_token_id=1, target_layer_ids=[1, 2], **window)
+    if variant == "input":
+        dcfg.extra = {"blockdraft": {"context_mode": "input"}}
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(2, 50, (n,), generator=gen).tolist() for n in (30, 6, 25)]
+    batch = build_blocks(seqs, [5, 3, 8], block_size=4, num_anchors=5, mask_token_id=1, gamma=None, generator=gen)
+    n, width = batch.tokens.shape
+    features = torch.randn(n, width, 128, generator=gen)
+    noise = torch.randn(n, batch.block_tokens.shape[1], 64, generator=gen)
+    weight = torch.randn(n, batch.block_tokens.shape[1], 64, generator=gen)
+    assert not batch.mask[1, 0, -4:, :width].any() and BlockMask.of(batch.mask).block_size == 4  # a padding block
+    results = []
+    for mask in (batch.mask, BlockMask.of(batch.mask)):
+        drafter.zero_grad()
+        out = drafter(noise, batch.block_positions, features, torch.arange(width).expand(n, -1), mask=mask)
+        (out * weight).sum().backward()
+        results.append([out.detach()] + [p.grad.clone() for p in drafter.parameters() if p.grad is not None])
+    assert len(results[0]) == len(results[1]) > 10
+    for dense, blocked in zip(*results, strict=True):
+        torch.testing.assert_close(blocked, dense, atol=1e-5, rtol=1e-4)
