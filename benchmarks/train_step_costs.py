@@ -10,6 +10,10 @@ on the other's.
 
     .venv/bin/python benchmarks/train_step_costs.py [--arch dflash eagle3] [--steps 6]
         [--dtype float32 bfloat16] [--tau-samples 64]
+
+With --run DIR instead: the median of --steps steps of that run's own configuration (its
+checkpoint's), from its last position, on samples of its first steps (so that they read its
+feature cache), without changing the run.
 """
 
 import argparse
@@ -48,7 +52,10 @@ def main():
         default=0,
         help=">0: the shipped drafter's teacher-forced tau on this many held-out answers, per dtype",
     )
+    ap.add_argument("--run", help="a run folder (runs/NAME): time its own steps instead")
     args = ap.parse_args()
+    if args.run:
+        return measure_run(args)
     for arch in args.arch:
         for dtype in args.dtype:
             measure(args, arch, dtype)
@@ -113,6 +120,30 @@ def measure(args, arch: str, dtype: str):
             file=sys.stderr,
         )
         tr.features.close()
+
+
+def measure_run(args):
+    import json
+    from pathlib import Path
+
+    run = Path(args.run)
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dict(state["config"], out=f"{tmp}/run", eval_every=10**9, save_every=10**9)
+        cfg["init_from"] = str(run / "position" / "drafter")
+        tr = Trainer(TrainConfig(**cfg))
+        times = []
+        for s in range(100, 101 + args.steps):
+            t = time.perf_counter()
+            tr.step = s
+            float(tr.train_step()["loss"])
+            times.append(time.perf_counter() - t)
+        print(
+            f"{run}: a step of its configuration (block {cfg['block_size']}, {cfg['num_anchors']} anchors, "
+            f"batch {cfg['batch_size']}, {state['target_dtype']} target) reading its feature cache: "
+            f"{statistics.median(times[1:]):.2f} s (median of {args.steps})",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":
