@@ -104,7 +104,7 @@ def measure(args, arch: str, dtype: str):
             batch = tr.batch_at(s)
             with torch.no_grad(), tr.autocast:
                 n, w = batch.tokens.shape
-                tr.target(batch.tokens, torch.arange(w).expand(n, -1), capture=layers, features_only=True)
+                tr.target_forward(batch.tokens, torch.arange(w).expand(n, -1), layers, full=False)
 
         def step(s):
             tr.step = s

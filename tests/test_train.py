@@ -1421,3 +1421,26 @@ def test_the_block_mask_attends_as_the_dense_mask(variant):
     assert len(results[0]) == len(results[1]) > 10
     for dense, blocked in zip(*results, strict=True):
         torch.testing.assert_close(blocked, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_a_bf16_targets_training_features_are_the_fused_steps_row_by_row(tiny_corpus, tmp_path):
+    """Where the fused native step runs (bf16 on an AVX512-BF16 CPU), training computes the
+    target's features and final hidden states through it: each row of a right-padded batch gets
+    bit for bit what its sequence gets alone (the numbers the decode loop's target gives the
+    drafter), as close to the eager bf16 forward as bf16 allows; elsewhere the eager forward."""
+    from blockdraft.models import native
+
+    trainer = Trainer(tiny_config(tiny_corpus[0], tmp_path / "run", dtype="bfloat16"))
+    batch = trainer.batch_at(0)
+    tokens, lengths = batch.tokens, batch.lengths.tolist()
+    assert len(set(lengths)) > 1  # padded rows
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        final, features = trainer.target_forward(tokens, positions, (1, 3), full=True)
+        eager_final, eager = trainer.target(tokens, positions, capture=(1, 3))
+    assert bool(trainer._native_step) == native.supported()
+    for i, n in enumerate(lengths):
+        with torch.no_grad():
+            alone_final, alone = trainer.target_forward(tokens[i : i + 1, :n], positions[:1, :n], (1, 3), full=True)
+        assert torch.equal(features[i, :n], alone[0]) and torch.equal(final[i, :n], alone_final[0])
+        torch.testing.assert_close(features[i, :n].float(), eager[i, :n].float(), rtol=0.05, atol=0.05)

@@ -92,6 +92,7 @@ class Trainer:
                 cfg.folder_samples = self.folder_counts
             cfg.max_steps = math.ceil(cfg.epochs * len(self.samples) / (cfg.batch_size * self.world))
         self._orders: dict[int, list[int]] = {}
+        self._native_step = None  # the target's fused step for features, False where it does not run
         self.step = 0
         self.tokens_seen = 0  # sequence tokens through the target, all processes
         self.elapsed, self._t0 = 0.0, time.perf_counter()  # wall seconds of earlier processes (resume)
@@ -299,7 +300,7 @@ class Trainer:
             if compute:
                 full = soft and bool(no_top)  # the top tokens need the target's last layer and head
                 rows = torch.tensor(compute, device=dev)
-                final, computed = self.target(tokens[rows], positions[rows], capture=layers, features_only=not full)
+                final, computed = self.target_forward(tokens[rows], positions[rows], layers, full)
                 if features is None:
                     features = computed
                 elif missing:
@@ -320,6 +321,22 @@ class Trainer:
                 at = torch.arange(n, device=dev)[:, None]
                 teacher = (top_ids[at, before], top_logp[at, before])
         return self.kind.train_hidden(self.model, self.target, batch, tokens, features, positions), teacher
+
+    def target_forward(self, tokens, positions, layers, full: bool):
+        """The frozen target over whole sequences (right-padded): (its final hidden states if `full`,
+        else None; its features at `layers`). Through the fused native step where it runs (a bf16
+        target on an AVX512-BF16 CPU: the same numbers the decode loop's target gives the drafter,
+        each row's bit for bit what it gets alone, and ~1.6x faster than the eager forward), else
+        the eager forward without a cache."""
+        if self._native_step is None:
+            from ..models import native_step
+
+            fits = native_step.unsupported(self.target) is None
+            self._native_step = native_step.step_for(self.target) if fits else False
+        if not self._native_step:
+            return self.target(tokens, positions, capture=layers, features_only=not full)
+        cache = self.target.new_cache(tokens.shape[0], tokens.shape[1])
+        return self._native_step(tokens, positions, cache, capture=layers, features_only=not full)
 
     # ---- evaluation ------------------------------------------------------------------
     evaluate_tau = evaluate.decode_tau  # τ in the real decode loop on held-out prompts
