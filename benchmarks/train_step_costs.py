@@ -29,7 +29,7 @@ from blockdraft.train.config import TrainConfig
 from blockdraft.train.trainer import Trainer
 
 SETTINGS = {
-    "dflash": dict(block_size=8, num_layers=3, num_anchors=32, init="target-last-fc"),
+    "dflash": dict(block_size=8, num_layers=3, num_anchors=32, init="target-last-fc", markov_rank=256),
     "eagle3": dict(arch="eagle3", block_size=8, num_anchors=32, init="target-last"),
 }
 
