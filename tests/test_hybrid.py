@@ -67,7 +67,7 @@ def randomize(model):
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
         model.lm_head.weight.mul_(3)
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -302,14 +302,20 @@ def near_ties(tmp_path_factory):
     from transformers import Qwen3_5ForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3_5-ties")
-    torch.manual_seed(5)
-    hf = Qwen3_5ForCausalLM(text_config(vocab_size=64)).eval()
+    random_norms(lambda: Qwen3_5ForCausalLM(text_config(vocab_size=64)), seed=5).save_pretrained(str(path))
+    return path
+
+
+def random_norms(make, seed: int):
+    """The HF model `make()` builds under `seed`, its norms' weights moved off their initial
+    values, in evaluation mode."""
+    torch.manual_seed(seed)
+    model = make().eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(str(path))
-    return path
+    return model
 
 
 # the step each low-precision run takes: bf16 through the fused native step (where this CPU runs it)
@@ -470,12 +476,7 @@ def test_the_native_hybrid_step_is_as_close_to_fp32_as_the_eager_bf16_layers(mon
     layers' are, and it keeps the same conv inputs and states for `commit`."""
     from transformers import Qwen3_5ForCausalLM
 
-    torch.manual_seed(7)
-    hf = Qwen3_5ForCausalLM(text_config(initializer_range=0.05)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    hf = random_norms(lambda: Qwen3_5ForCausalLM(text_config(initializer_range=0.05)), seed=7)
     path = f"{pytest.importorskip('tempfile').mkdtemp()}/q35"
     hf.save_pretrained(path)
     seq = torch.randint(1, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))

@@ -88,8 +88,13 @@ void mlp(at::BFloat16* hidden, const at::BFloat16* norm, float offset, const at:
          const at::BFloat16* gu_b, const at::BFloat16* down_w, const at::BFloat16* down_b, int64_t R, int64_t H,
          int64_t I, float eps, Scratch scratch);
 
-// Rows of hidden [R, H] into features [B, T, n x H] at column block c.
-void keep_feature(const at::BFloat16* hidden, torch::Tensor& features, int64_t c, int64_t R, int64_t H);
+// Rows of hidden [R, H] into features [B, T, n x H] at each column block c whose capture[c] is this layer.
+void keep_features(const at::BFloat16* hidden, torch::Tensor& features, const std::vector<int64_t>& capture,
+                   int64_t layer, int64_t R, int64_t H);
+
+// The final norm (offset as rms_norm_row's) of hidden [B x T, H]: a new [B, T, H] bf16 tensor.
+torch::Tensor final_norm(const at::BFloat16* hidden, const torch::Tensor& norm, int64_t B, int64_t T, int64_t H,
+                         float eps, float offset);
 
 // The index of the first maximum of n bf16 values, -1 if one is a NaN (native_linear.cpp).
 int64_t first_max(const at::BFloat16* x, int64_t n);

@@ -297,16 +297,9 @@ std::vector<torch::Tensor> qwen3_5_forward(
         }
         blockdraft::add(hp, tp, R * H);
         blockdraft::mlp(hp, w.ln2, 1.f, w.gu_w, nullptr, w.down_w, nullptr, R, H, I, eps, scratch);
-        for (size_t c = 0; c < capture.size(); ++c)
-            if (capture[c] == l) blockdraft::keep_feature(hp, features, static_cast<int64_t>(c), R, H);
+        blockdraft::keep_features(hp, features, capture, l, R, H);
     }
-    torch::Tensor out;
-    if (final_hidden) {
-        out = torch::empty({B, T, H}, opts);
-        for (int64_t r = 0; r < R; ++r)
-            blockdraft::rms_norm_row(hp + r * H, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>() + r * H, H, eps, 1.f);
-    }
-    return {out, features};
+    return {final_hidden ? blockdraft::final_norm(hp, final_norm, B, T, H, eps, 1.f) : torch::Tensor(), features};
 }
 
 void delta_rule_replay(torch::Tensor state, torch::Tensor trace, torch::Tensor kept, torch::Tensor fresh,

@@ -268,10 +268,22 @@ void blockdraft::mlp(bf16* hidden, const bf16* norm, float offset, const bf16* g
     add(hidden, s.tmp, R * H);
 }
 
-void blockdraft::keep_feature(const bf16* hidden, torch::Tensor& features, int64_t c, int64_t R, int64_t H) {
-    bf16* fp = features.data_ptr<bf16>();
-    const int64_t width = features.size(2);
-    for (int64_t i = 0; i < R; ++i) std::copy(hidden + i * H, hidden + (i + 1) * H, fp + i * width + c * H);
+void blockdraft::keep_features(const bf16* hidden, torch::Tensor& features, const std::vector<int64_t>& capture,
+                               int64_t layer, int64_t R, int64_t H) {
+    for (size_t c = 0; c < capture.size(); ++c) {
+        if (capture[c] != layer) continue;
+        bf16* fp = features.data_ptr<bf16>();
+        const int64_t width = features.size(2);
+        for (int64_t i = 0; i < R; ++i) std::copy(hidden + i * H, hidden + (i + 1) * H, fp + i * width + c * H);
+    }
+}
+
+torch::Tensor blockdraft::final_norm(const bf16* hidden, const torch::Tensor& norm, int64_t B, int64_t T, int64_t H,
+                                     float eps, float offset) {
+    auto out = torch::empty({B, T, H}, torch::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t r = 0; r < B * T; ++r)
+        rms_norm_row(hidden + r * H, norm.data_ptr<bf16>(), out.data_ptr<bf16>() + r * H, H, eps, offset);
+    return out;
 }
 
 std::vector<torch::Tensor> llama_forward(
@@ -354,14 +366,7 @@ std::vector<torch::Tensor> llama_forward(
         blockdraft::product_packed(ap, w.o_w, w.o_b, tp, R, NQ, H);
         blockdraft::add(hp, tp, R * H);
         blockdraft::mlp(hp, w.ln2, 0.f, w.gu_w, w.gu_b, w.down_w, w.down_b, R, H, w.inter, eps, scratch);
-        for (size_t c = 0; c < capture.size(); ++c)
-            if (capture[c] == l) blockdraft::keep_feature(hp, features, static_cast<int64_t>(c), R, H);
+        blockdraft::keep_features(hp, features, capture, l, R, H);
     }
-    torch::Tensor out;
-    if (final_hidden) {
-        out = torch::empty({B, T, H}, opts);
-        for (int64_t r = 0; r < R; ++r)
-            blockdraft::rms_norm_row(hp + r * H, final_norm.data_ptr<bf16>(), out.data_ptr<bf16>() + r * H, H, eps);
-    }
-    return {out, features};
+    return {final_hidden ? blockdraft::final_norm(hp, final_norm, B, T, H, eps, 0.f) : torch::Tensor(), features};
 }

@@ -110,13 +110,16 @@ class NativeStep:
             self._weights = out
         return self._weights
 
+    def embed(self, tokens, rows: slice) -> torch.Tensor:
+        """The tokens' embeddings, contiguous, for a call on cache rows `rows`."""
+        if rows.step not in (None, 1):
+            raise ValueError("rows must be a contiguous range")
+        return self.model.embed(tokens).contiguous()
+
     def __call__(
         self, tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(), features_only=False
     ):
-        model, cfg = self.model, self.model.config
-        if rows.step not in (None, 1):
-            raise ValueError("rows must be a contiguous range")
-        x = model.embed(tokens).contiguous()
+        model, cfg, x = self.model, self.model.config, self.embed(tokens, rows)
         slots = positions if slots is None else slots
         if mask is None:  # every slot up to the token's own position, within the window
             visible, window = torch.empty(0, dtype=torch.bool), cfg.sliding_window or 0
@@ -215,15 +218,12 @@ class NativeHybridStep(NativeStep):
     def __call__(
         self, tokens, positions, cache, slots=None, mask=None, rows=slice(None), capture=(), features_only=False
     ):
-        model, cfg = self.model, self.model.config
-        if rows.step not in (None, 1):
-            raise ValueError("rows must be a contiguous range")
+        model, cfg, x = self.model, self.model.config, self.embed(tokens, rows)
         if slots is not None and not torch.equal(slots, positions):
             raise ValueError("a Qwen3.5 target verifies chains only (slot = position)")
         # the slots each token sees: `mask` [B, 1, T, S] as the eager forward takes it, or (empty) every slot
         # up to its own position
         visible = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0]
-        x = model.embed(tokens).contiguous()
         b, t = tokens.shape
         cache.begin(rows, positions[:, 0])
         layers, k1, conv = cache.conv.shape[0], cache.conv.shape[2], cache.conv.shape[3]
