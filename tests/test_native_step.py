@@ -154,3 +154,34 @@ def test_the_native_argmax_is_torchs(dtype):
             x[3, -1] = x[3].max() + 1
         assert torch.equal(native.argmax(x), x.argmax(-1))
         assert torch.equal(native.argmax(x.view(2, 3, n)), x.view(2, 3, n).argmax(-1))
+
+
+def test_the_native_top_tokens_are_torchs():
+    """Soft labels' top tokens (`native.top_logprobs`, bf16 logits): for every row the k largest
+    logits in descending order, equal ones by increasing id, the k-th value torch's, their
+    log-probabilities torch's log_softmax to fp32 rounding; rows with a NaN or an infinity and
+    batched shapes as torch gives them; k above the vocabulary size clipped."""
+    gen = torch.Generator().manual_seed(4)
+    for n, k in ((5, 8), (17, 4), (300, 32), (49152, 32)):
+        x = (torch.randn(7, n, generator=gen) * 4).bfloat16()
+        x[1] = (x[1] * 0.5).round()  # coarse values: ties at the boundary
+        x[2] = 0.0
+        if n > 2:
+            x[3, n // 2] = float("nan")
+            x[4, 0] = float("inf")
+        ids, logp = native.top_logprobs(x, k)
+        ref_logp, ref_ids = x.float().log_softmax(-1).topk(min(k, n), dim=-1)
+        assert ids.shape == ref_ids.shape == logp.shape and logp.dtype == torch.float32
+        fine = torch.isfinite(x.float()).all(-1)
+        assert int(fine.sum()) == (5 if n > 2 else 7)
+        values = x.float().gather(1, ids)[fine]
+        assert torch.equal(values, x.float().gather(1, ref_ids)[fine])  # the same values
+        assert (values[:, :-1] >= values[:, 1:]).all()
+        same = values[:, :-1] == values[:, 1:]
+        assert (ids[fine][:, :-1][same] < ids[fine][:, 1:][same]).all()  # ties by increasing id
+        torch.testing.assert_close(logp[fine], ref_logp[fine], rtol=0, atol=2e-6)
+        # torch's own answer where a row is not finite
+        assert torch.equal(ids[~fine], ref_ids[~fine])
+        torch.testing.assert_close(logp[~fine], ref_logp[~fine], rtol=0, atol=0, equal_nan=True)
+    three = x.view(7, 1, -1).expand(7, 2, -1)
+    assert torch.equal(native.top_logprobs(three, 5)[0], native.top_logprobs(x, 5)[0][:, None].expand(7, 2, 5))

@@ -9,6 +9,8 @@
 // features (torch's own pool), never a sum.
 #include "native.h"
 
+#include <cmath>
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -256,7 +258,66 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     return out;
 }
 
+// Each bf16 row's k largest values (descending; equal values in index order), as ids [R, k] and their
+// log-probabilities under the row's softmax [R, k] fp32: (x - max) - log(sum e^(x - max)), as torch's
+// log_softmax computes it. A row holding a NaN or an infinity gets id -1 first (the caller asks torch).
+std::vector<torch::Tensor> top_logprobs(torch::Tensor x, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && k > 0, "x: [R, N] bf16, k > 0");
+    x = x.contiguous();
+    const int64_t R = x.size(0), N = x.size(1);
+    k = std::min(k, N);
+    auto ids = torch::empty({R, k}, x.options().dtype(at::kLong));
+    auto logp = torch::empty({R, k}, x.options().dtype(at::kFloat));
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    int64_t* ip = ids.data_ptr<int64_t>();
+    float* lp = logp.data_ptr<float>();
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+        std::vector<float> val(k);
+        std::vector<int64_t> idx(k);
+        for (int64_t r = r0; r < r1; ++r) {
+            const at::BFloat16* row = xp + r * N;
+            __m512 most = _mm512_set1_ps(-INFINITY);
+            __mmask16 nan = 0;
+            for (int64_t i = 0; i < N; i += 16) {
+                const __mmask16 m = blockdraft::lanes(N - i);
+                const __m512 v = blockdraft::load16(row + i, m);
+                nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+                most = _mm512_mask_max_ps(most, m, most, v);
+            }
+            const float top = _mm512_reduce_max_ps(most);
+            const float log_sum = nan ? NAN : std::log(blockdraft::exp_sum(row, N, top));
+            if (nan || !std::isfinite(top) || !std::isfinite(log_sum)) {
+                ip[r * k] = -1;
+                continue;
+            }
+            int64_t n = 0;  // values kept so far, val descending (ties in index order)
+            for (int64_t i = 0; i < N; i += 16) {
+                const __mmask16 m = blockdraft::lanes(N - i);
+                const __m512 v = blockdraft::load16(row + i, m);
+                __mmask16 hit = n < k ? m : _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(val[k - 1]), _CMP_GT_OQ);
+                while (hit) {
+                    const int j = __builtin_ctz(hit);
+                    hit &= hit - 1;
+                    const float y = static_cast<float>(row[i + j]);
+                    if (n == k && !(y > val[k - 1])) continue;
+                    int64_t p = std::min(n, k - 1);  // where it goes: after every value >= it
+                    while (p > 0 && val[p - 1] < y) {
+                        val[p] = val[p - 1], idx[p] = idx[p - 1];
+                        --p;
+                    }
+                    val[p] = y, idx[p] = i + j;
+                    n = std::min(n + 1, k);
+                    if (n == k && hit) hit &= _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(val[k - 1]), _CMP_GT_OQ);
+                }
+            }
+            for (int64_t j = 0; j < k; ++j) ip[r * k + j] = idx[j], lp[r * k + j] = (val[j] - top) - log_sum;
+        }
+    });
+    return {ids, logp};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("top_logprobs", &top_logprobs, "each bf16 row's k largest values' ids and log-probabilities");
     m.def("argmax_rows", &argmax_rows, "each row's first maximum (bf16 / fp32), -1 for a row with a NaN");
     m.def("linear_packed", &linear_packed, "a row-independent bf16 product from a weight packed by native.pack");
     m.def("linear_bf16", &linear_bf16, "row-independent bf16 product (AVX512-BF16)");

@@ -368,9 +368,9 @@ class FeatureCache:
 def top_tokens(logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's `k` (default TEACHER_TOPK) likeliest next tokens [..., k] and their
     log-probabilities [..., k] (float32) from its logits [..., V]: what soft labels are made of."""
-    k = min(k or TEACHER_TOPK, logits.shape[-1])
-    logp, ids = logits.float().log_softmax(-1).topk(k, dim=-1)
-    return ids, logp
+    from ..models import native
+
+    return native.top_logprobs(logits, k or TEACHER_TOPK)
 
 
 class FeatureRecorder(Proposer):
