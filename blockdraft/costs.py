@@ -37,7 +37,8 @@ class StepCosts:
     """Seconds of a verify step per (batch size, verified width): the median of the last
     `window` measurements (a step that met a page fault or another process does not move it,
     an exponential average it did: on a 2-core CPU one width's mean drifted 30 % above its
-    neighbours' and the policy cut chains to avoid it), made non-decreasing in the width;
+    neighbours' and the policy cut chains to avoid it), made non-decreasing in the width
+    (`non_decreasing`: widths out of order pooled, weighted by their measurements);
     between measured widths the straight line between them, past them the prior curve scaled
     to the nearest one, and for a batch size not measured the nearest batch size's scale."""
 
@@ -100,10 +101,8 @@ class StepCosts:
                 ratios = sorted(s / prior_cost(w) for (b, w), s in self.seconds.items() if b == near)
                 scale = ratios[len(ratios) // 2]  # (comparable within one batch size)
             return [scale * prior_cost(w) for w in widths]
-        top, known = 0.0, []
-        for w, s in measured:  # non-decreasing: more tokens never cost less
-            top = max(top, s)
-            known.append((w, top))
+        weights = [len(self.samples.get((batch, w), ())) or 1 for w, _ in measured]
+        known = non_decreasing([w for w, _ in measured], [s for _, s in measured], weights)
         return [self._between(known, w) for w in widths]
 
     @staticmethod
@@ -118,6 +117,23 @@ class StepCosts:
             if a <= width <= b:
                 return sa + (sb - sa) * (width - a) / (b - a)
         raise AssertionError("unreachable")
+
+
+def non_decreasing(widths: list[int], seconds: list[float], weights: list[int]) -> list[tuple[int, float]]:
+    """The non-decreasing fit of seconds over increasing widths closest to them in weighted least
+    squares (pool adjacent violators): where a width measured dearer than a wider one, the two get
+    the mean of their measurements, weighted by how many each has. (A running maximum instead let
+    a width measured a few times in a noisy moment, 10 % above the width measured at every step,
+    price every wider verify; the policy then cut chains to save a cost that was not there.)"""
+    pools: list[list] = []  # [weighted seconds, weight, widths]
+    for w, s, n in zip(widths, seconds, weights, strict=True):
+        pools.append([s * n, n, [w]])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, n_last, ws = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += n_last
+            pools[-1][2] += ws
+    return [(w, total / n) for total, n, ws in pools for w in ws]
 
 
 class PositionAcceptance:

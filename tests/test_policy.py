@@ -1,5 +1,6 @@
 """The one speculation policy: its choices from rigged costs and acceptance (no timing)."""
 
+import pytest
 import torch
 
 from blockdraft.policy import SpeculationPolicy
@@ -60,17 +61,23 @@ def test_adaptive_cuts_each_chain_by_its_calibrated_probabilities():
 
 def test_a_step_cost_is_the_median_of_its_measurements_and_grows_with_the_width():
     """One slow step (a page fault, another process) does not move a width's cost; a wider
-    verify is never estimated cheaper than a narrower one; between measured widths the line."""
-    from blockdraft.costs import StepCosts
+    verify is never estimated cheaper than a narrower one: where noise put a width above a wider
+    one, both get their medians' mean weighted by their measurements (a width seen a few times
+    does not price the width seen at every step); between measured widths the line."""
+    from blockdraft.costs import StepCosts, non_decreasing
 
     costs = StepCosts()
-    for seconds in (0.010, 0.011, 0.050, 0.010, 0.012):
+    for seconds in (0.010, 0.011, 0.050, 0.010, 0.012, 0.011):
         costs.record(1, 4, seconds)
-    for seconds in (0.012, 0.012, 0.012):
+    for seconds in (0.014, 0.014, 0.014):
         costs.record(1, 2, seconds)  # noise made width 2 look dearer than width 4
     costs.record(1, 8, 0.020)
-    assert costs.estimate(1, 4) == costs.estimate(1, 2) == 0.012  # the median, then no cheaper than width 2
-    assert abs(costs.estimate(1, 6) - 0.016) < 1e-12  # halfway between 4 and 8
+    assert costs.estimate(1, 4) == costs.estimate(1, 2) == pytest.approx((3 * 0.014 + 6 * 0.011) / 9)
+    assert costs.estimate(1, 6) == pytest.approx((costs.estimate(1, 4) + 0.020) / 2)  # halfway between 4 and 8
+    fitted = non_decreasing([1, 2, 3, 4], [1.0, 3.0, 2.0, 0.5], [1, 1, 1, 4])  # 2 and 3 pool, then with 4
+    assert fitted[0] == (1, 1.0) and [w for w, _ in fitted] == [1, 2, 3, 4]
+    assert [s for _, s in fitted[1:]] == pytest.approx([(3.0 + 2.0 + 4 * 0.5) / 6] * 3)
+    assert non_decreasing([1, 2], [1.0, 2.0], [5, 1]) == [(1, 1.0), (2, 2.0)]
 
 
 def test_a_chains_expected_tokens_are_what_its_steps_committed():
