@@ -470,14 +470,14 @@ def test_the_native_hybrid_steps_replay_keeps_the_states_of_the_accepted_tokens(
 
 
 @needs_native
-def test_the_native_hybrid_step_is_as_close_to_fp32_as_the_eager_bf16_layers(monkeypatch):
+def test_the_native_hybrid_step_is_as_close_to_fp32_as_the_eager_bf16_layers(monkeypatch, tmp_path):
     """Through a cache shared by two rows (a prefill, single tokens, blocks; each kept whole): the
     fused step's logits and captured features are as close to the fp32 model's as the eager bf16
     layers' are, and it keeps the same conv inputs and states for `commit`."""
     from transformers import Qwen3_5ForCausalLM
 
     hf = random_norms(lambda: Qwen3_5ForCausalLM(text_config(initializer_range=0.05)), seed=7)
-    path = f"{pytest.importorskip('tempfile').mkdtemp()}/q35"
+    path = str(tmp_path / "q35")
     hf.save_pretrained(path)
     seq = torch.randint(1, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
 

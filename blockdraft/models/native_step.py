@@ -174,7 +174,6 @@ def row_independent(model, step: NativeStep, tokens: int = 7) -> bool:
     same = torch.equal(hidden, hidden_alone[:, 3:]) and torch.equal(features, features_alone[:, 3:])
     if model.recurrent:  # no trees: linear attention keeps one state per row
         return same
-    run(block, 0, 3)  # the tree below continues after 3 tokens
     # a tree after 3 tokens: node 0 = token 3, two children at position 4 (token 4 and another), slots 3, 4, 5
     tree = torch.tensor([[ids[0, 3], (ids[0, 4] + 1) % model.config.vocab_size, ids[0, 4]]])
     mask = torch.zeros(1, 1, 3, 6, dtype=torch.bool)
@@ -230,7 +229,7 @@ class NativeHybridStep(NativeStep):
         inputs = torch.empty(layers, b, k1 + t, conv, dtype=cache.conv.dtype)
         none = torch.empty(0)
         if cache.prefill:  # the final states
-            states, trace = pending_buffer(cache, (layers, b, *cache.state.shape[2:])), none
+            states, trace = torch.empty(layers, b, *cache.state.shape[2:]), none
         else:  # each token's k, v, g and beta, replayed up to the kept ones by `commit`
             keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
             values = cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)
@@ -293,13 +292,3 @@ class Replay:
         native.module().delta_rule_replay(
             state, self.trace, kept, fresh, cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         )
-
-
-def pending_buffer(cache, shape: tuple[int, ...]) -> torch.Tensor:
-    """An fp32 buffer of `shape` for a prefill's final states, reused from the cache's last one
-    (they are read by `commit` before the next forward)."""
-    numel = int(torch.Size(shape).numel())
-    buf = getattr(cache, "_native_states", None)
-    if buf is None or buf.numel() < numel:
-        buf = cache._native_states = torch.empty(numel, dtype=torch.float32)
-    return buf[:numel].view(shape)
