@@ -1006,7 +1006,7 @@ def test_feature_cache_refuses_another_target_layout_and_survives_a_torn_index(t
 def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_corpus, tmp_path, monkeypatch, capsys):
     """The bytes a run's features add are known before it starts (what it then stores, exactly);
     when the cache's disk cannot hold them the run says so at once, stores what fits (keeping
-    1 GiB free), runs the target for the rest, and trains as it would have."""
+    its reserve free, `--feature-cache-reserve`), runs the target for the rest, and trains as it would have."""
     import shutil
 
     from blockdraft.train import features
@@ -1058,6 +1058,34 @@ def test_feature_cache_says_before_training_when_the_disk_cannot_hold_it(tiny_co
     capsys.readouterr()
     Trainer(tiny_config(root, tmp_path / "fits", max_steps=100, feature_cache=str(tmp_path / "other")))
     assert "stores what fits" not in capsys.readouterr().err
+    # --feature-cache-reserve moves the line: the disk that held half of the run's features holds all
+    # of them when less is kept free, and a reserve above the free space stores nothing
+    for name, reserve, stored in (
+        ("lower", features.RESERVE - need_run, need_run),
+        ("higher", features.RESERVE + need_run, 0),
+    ):
+        small = tmp_path / name
+        monkeypatch.setattr(features.shutil, "disk_usage", disk)
+        capsys.readouterr()
+        run = Trainer(
+            tiny_config(
+                root,
+                tmp_path / f"run-{name}",
+                max_steps=2,
+                feature_cache=str(small),
+                feature_cache_reserve=reserve / 2**30,
+            )
+        )
+        assert ("stores what fits" in capsys.readouterr().err) == (stored == 0)
+        run.run()
+        run.features.close()
+        assert (small / "features-rank0.bin").stat().st_size == stored
+    with pytest.raises(BlockdraftError, match="--feature-cache-reserve must be >= 0"):
+        Trainer(
+            tiny_config(
+                root, tmp_path / "bad", max_steps=2, feature_cache=str(tmp_path / "x"), feature_cache_reserve=-1
+            )
+        )
 
 
 def test_a_card_reads_the_committed_metrics_of_a_run_resumed_on_a_new_machine(tmp_path, monkeypatch):

@@ -29,10 +29,13 @@ main=data/regen/smollm2-135m-instruct
 data=$(ls -d $main $main-* | paste -sd, -)
 dtype=${DTYPE:-$(.venv/bin/python -c "import torch; from blockdraft.precision import auto_dtype as a
 print(str(a(torch.device('cpu')).dtype).removeprefix('torch.'))")}
+# The feature cache (int8): the main run's samples take ~52 GiB; it keeps CACHE_RESERVE_GIB free on its
+# disk (10 by default: a clean clone's test run needs ~4 GB), the samples beyond run the target every epoch.
+cache=(--feature-cache runs/feature-cache --feature-dtype int8 --feature-cache-reserve "${CACHE_RESERVE_GIB:-10}")
 ab=(--data "$data" --limit-samples 1600 --max-steps 400 --markov-rank 256 --block-size 16 --num-anchors 32
     --batch-size 4 --draft-vocab 8192 --schedule wsd --warmup-steps 25 --lr 3e-4 --dtype "$dtype" --distill 1
     --init-from blockdraft/shipped/smollm2-135m-instruct-dflash --eval-every 200 --eval-prompts 32
-    --eval-max-new-tokens 96 --save-every 50 --feature-cache runs/feature-cache --feature-dtype int8)
+    --eval-max-new-tokens 96 --save-every 50 "${cache[@]}")
 
 done_at() {  # the last step a run's committed metrics log records (0: none)
     local log=data/train-logs/$1.metrics.jsonl
@@ -50,7 +53,7 @@ run_arm() {  # NAME STEPS ARGS...: train (or resume) one arm, then keep its metr
         $bd train --out "runs/$name" --resume --position-dir "$pos" "$@"
     elif [[ -f $committed/state.json ]]; then  # a committed position, from another machine
         $bd train --resume-from "$committed" --out "runs/$name" --position-dir "$pos" \
-            --feature-cache runs/feature-cache --feature-dtype int8
+            "${cache[@]}"
     else
         $bd train --out "runs/$name" --position-dir "$pos" "$@"
     fi
@@ -133,7 +136,7 @@ PY
                 --block-size 16 --num-anchors 32 --batch-size 4 --draft-vocab 8192 --schedule wsd \
                 --warmup-steps 25 --lr 3e-4 --dtype "$dtype" --distill 1 \
                 --init-from blockdraft/shipped/smollm2-135m-instruct-dflash --eval-every 2500 --eval-prompts 32 \
-                --eval-max-new-tokens 96 --save-every 100 --feature-cache runs/feature-cache --feature-dtype int8 \
+                --eval-max-new-tokens 96 --save-every 100 "${cache[@]}" \
                 --position-weights dpace --draft-layout anchor
             ;;
         *) echo "wide-block job: unknown stage $stage" >&2; exit 2 ;;

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import BlockdraftError
+from ..train.checkpoints import SKIP_ON_RESUME
 
 
 def add_train_args(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -98,8 +99,7 @@ def register(sub, methods) -> None:
         "--resume-from",
         metavar="DIR",
         help="continue the run whose position DIR holds (a --position-dir folder or a checkpoint) in "
-        "--out: its settings are DIR's; --max-steps, --data, --out, --feature-cache, --feature-dtype, "
-        "--eval-every and --save-every may be given; "
-        "without optimizer state AdamW's moments start anew",
+        f"--out: its settings are DIR's; {', '.join('--' + n.replace('_', '-') for n in SKIP_ON_RESUME)} "
+        "may be given; without optimizer state AdamW's moments start anew",
     )
     t.set_defaults(func=cmd_train)

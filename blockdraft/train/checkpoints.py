@@ -26,6 +26,7 @@ SKIP_ON_RESUME = (
     "out",
     "feature_cache",
     "feature_dtype",
+    "feature_cache_reserve",
 )  # may change
 
 

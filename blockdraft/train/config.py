@@ -119,6 +119,11 @@ class TrainConfig:
         "int8 (half the disk; a scale per position and layer); default: the "
         "cache folder's own (float16 for a new one)",
     )
+    feature_cache_reserve: float = _opt(
+        16.0,
+        "GiB --feature-cache leaves free on its disk: it stores features until then, and the target "
+        "runs every epoch for the samples that did not fit",
+    )
     extra: dict = field(default_factory=dict)
 
 

@@ -181,11 +181,14 @@ class FeatureCache:
         writer: str | None = None,
         dtype: str | None = None,
         readonly: bool = False,
+        reserve: int | None = None,
     ):
         """`dtype`: how this process stores features, "float16" or "int8" (FEATURE_DTYPES); default:
         the folder's (`meta.json`, float16 for a new one). A folder holds records of both.
-        `readonly`: it reads the folder and never writes to it."""
+        `readonly`: it reads the folder and never writes to it. `reserve`: bytes it leaves free
+        on its disk (default `RESERVE`)."""
         self.folder = Path(folder)
+        self.reserve = RESERVE if reserve is None else int(reserve)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.layers = tuple(int(i) for i in layer_ids)
         self.hidden = target.config.hidden_size
@@ -292,7 +295,7 @@ class FeatureCache:
 
     def put_teacher(self, key: str, ids: torch.Tensor, logp: torch.Tensor, start: int):
         """Store one sample's top tokens ids [rows, k] and log-probabilities [rows, k] for positions
-        start..start+rows-1 (unless stored, or the disk would keep less than `RESERVE` free)."""
+        start..start+rows-1 (unless stored, or the disk would keep less than its reserve free)."""
         rows, k = ids.shape
         if key in self._teacher.index or not self.room(teacher_bytes(rows, k)):
             return
@@ -324,7 +327,7 @@ class FeatureCache:
         not cached yet (and with `answer_starts` their top tokens) fit on the cache's disk with
         `reserve` bytes left free, else what happens instead (`put` stores them until the disk
         would keep only `reserve`; the rest are computed every time)."""
-        reserve = RESERVE if reserve is None else reserve
+        reserve = self.reserve if reserve is None else reserve
         need, free = self.bytes_needed(sequences, answer_starts), shutil.disk_usage(self.folder).free
         if need <= free - reserve:
             return None
@@ -336,12 +339,12 @@ class FeatureCache:
         )
 
     def room(self, nbytes: int, reserve: int | None = None) -> bool:
-        """Whether `nbytes` more fit on the cache's disk with `reserve` bytes (`RESERVE`) left free."""
-        return shutil.disk_usage(self.folder).free - nbytes > (RESERVE if reserve is None else reserve)
+        """Whether `nbytes` more fit on the cache's disk with `reserve` bytes (default: the cache's) left free."""
+        return shutil.disk_usage(self.folder).free - nbytes > (self.reserve if reserve is None else reserve)
 
     def put(self, keys: list[str], features: torch.Tensor, lengths: list[int]):
         """Store each row's first `lengths[i]` feature rows (in `self.dtype`) unless its key is
-        cached, or the disk would keep less than `RESERVE` free."""
+        cached, or the disk would keep less than its reserve free."""
         new = [(i, k) for i, k in enumerate(keys) if k not in self.index]
         extra = self._extra
         if not new or not self.room(sum(self.sample_bytes(int(lengths[i])) for i, _ in new)):

@@ -121,8 +121,15 @@ class Trainer:
         if cfg.feature_cache:
             from .features import FeatureCache
 
+            if not cfg.feature_cache_reserve >= 0:
+                raise BlockdraftError(f"--feature-cache-reserve must be >= 0 GiB, not {cfg.feature_cache_reserve}")
             self.features = FeatureCache(
-                cfg.feature_cache, self.target, self.drafter.config.target_layer_ids, self.rank, dtype=cfg.feature_dtype
+                cfg.feature_cache,
+                self.target,
+                self.drafter.config.target_layer_ids,
+                self.rank,
+                dtype=cfg.feature_dtype,
+                reserve=int(cfg.feature_cache_reserve * 2**30),
             )
             # the samples this run will see (all of them from its second epoch on)
             seen = min(len(self.samples), cfg.max_steps * cfg.batch_size * self.world)
