@@ -33,6 +33,7 @@ class FloatHead:
 
     def __init__(self):
         self._kept: dict[str, tuple] = {}
+        self.dtype: torch.dtype | None = None  # the drafter's, where it differs from the head's (kept rows cast)
 
     def keep(self, what: str, lm_head_weight: torch.Tensor, vocab: torch.Tensor | None, make):
         """`make()`, kept under `what` until the head or the draft vocabulary changes."""
@@ -46,12 +47,17 @@ class FloatHead:
 
     def rows(self, lm_head_weight: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
         """The head's rows the drafter scores (all, or the draft vocabulary's); under autograd
-        gathered afresh (the gradient flows to the head), else kept."""
-        if vocab is None:
+        gathered afresh (the gradient flows to the head), else kept (in `dtype`, where set and
+        the head's differs: a bf16 drafter beside an fp32 target)."""
+        cast = self.dtype is not None and self.dtype != lm_head_weight.dtype
+        if vocab is None and not cast:
             return lm_head_weight
         if torch.is_grad_enabled() and lm_head_weight.requires_grad:
-            return lm_head_weight[vocab]
-        return self.keep("rows", lm_head_weight, vocab, lambda: lm_head_weight.detach()[vocab])
+            return lm_head_weight if vocab is None else lm_head_weight[vocab]
+        w = lm_head_weight.detach()
+        return self.keep(
+            "rows", lm_head_weight, vocab, lambda: (w if vocab is None else w[vocab]).to(self.dtype or w.dtype)
+        )
 
     def logits(self, flat: torch.Tensor, lm_head_weight: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
         """Logits [N, V'] of hidden states [N, H]."""

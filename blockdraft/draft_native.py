@@ -185,7 +185,7 @@ class NativeDraft:
         `previous` [B]: target ids [B, n], and with `probs` (tokens, each one's probability
         [B, n] fp32); None where it cannot run natively (the caller's eager chain then runs)."""
         d = self.drafter
-        if hidden.dtype != torch.bfloat16 or lm_head_weight.dtype != torch.bfloat16:
+        if hidden.dtype != torch.bfloat16 or d.head_weight(lm_head_weight).dtype != torch.bfloat16:
             return None
         vocab = getattr(d, "draft_vocab", None)
         head = d.head.keep("native-packed", lm_head_weight, vocab, lambda: native.pack(d.head_weight(lm_head_weight)))

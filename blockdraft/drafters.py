@@ -37,6 +37,8 @@ class DrafterKind:
     train_hidden: Callable
     proposer: Callable  # (drafter, target) -> the Proposer that drafts with it
     soft_labels: bool = False  # supports --distill (the target's distribution at each block position)
+    # runs in bf16 beside an fp32 target (draft_weights "bf16"): its proposer casts what it reads from the target
+    bf16_beside_fp32: bool = False
     describe: Callable = lambda drafter: ""  # a few words on its shape, for the training banner
 
 
@@ -61,14 +63,23 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
     """The one way a drafter is made ready to decode: a folder of kind `name` loaded in the
     target's device and dtype, checked against the target, its linears (and LM-head rows) in
     int8 when `draft_weights` is "int8", its products through prepacked weights when `packed`
-    (fp32; bf16 on a CPU with AVX512-BF16 through blockdraft's native kernel)."""
-    module = kind(name).load(folder, target.device, target.dtype)
+    (fp32; bf16 on a CPU with AVX512-BF16 through blockdraft's native kernel). "bf16" (an fp32
+    target, `engine.resolve_draft_weights`): a kind that can runs in bf16, its pass native where
+    `draft_native` allows, its share of the target's LM head kept as bf16 rows; another kind as
+    "auto" would have it without bf16 (int8 where that pays, else float)."""
+    spec = kind(name)
+    if draft_weights == "bf16" and not spec.bf16_beside_fp32:
+        from .models.quant import int8_drafters_pay
+
+        draft_weights = "int8" if int8_drafters_pay(target.device, target.dtype) else "float"
+    dtype = torch.bfloat16 if draft_weights == "bf16" else target.dtype
+    module = spec.load(folder, target.device, dtype)
     module.check_target(target.config)
     if draft_weights == "int8":
         from .draft_head import quantize_drafter
 
         quantize_drafter(module)
-    if packed:
+    if packed or draft_weights == "bf16":
         from .draft_head import pack_drafter
         from .draft_native import use_native_draft
         from .models.exact import native_linears
@@ -76,6 +87,7 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
         pack_drafter(module)
         native_linears(module)
         use_native_draft(module)
+    module.head.dtype = dtype  # the rows of the target's head it scores, in its own dtype
     return module
 
 
@@ -151,6 +163,7 @@ register(
         _dflash_train_hidden,
         _dflash_proposer,
         soft_labels=True,
+        bf16_beside_fp32=True,
         describe=lambda d: (
             f"{len(d.layers)} layer(s)" + (f", Markov head rank {d.config.markov_rank}" if d.config.markov_rank else "")
         ),

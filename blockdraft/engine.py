@@ -92,16 +92,28 @@ def default_device() -> torch.device:
 
 
 def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`Engine.load`'s draft_weights ("auto" | "float" | "int8") -> "float" or "int8"."""
+    """`Engine.load`'s draft_weights ("auto" | "float" | "int8" | "bf16") -> "float", "int8" or
+    "bf16" (for an fp32 target: DFlash drafters in bf16 through the native pass, `draft_native`;
+    a bf16 target's drafters are "float" already). "auto": "bf16" for an fp32 target on a CPU
+    where the native kernels run, else int8 where torch's kernel has it (fp32 on CPU), else float."""
+    from .models import native
     from .models.quant import DRAFT_WEIGHTS, int4_available, int8_drafters_pay
 
     if choice not in DRAFT_WEIGHTS:
         raise BlockdraftError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {choice!r}")
+    native_bf16 = device.type == "cpu" and dtype == torch.float32 and native.available()
     if choice == "auto":
-        return "int8" if int8_drafters_pay(device, dtype) else "float"
+        return "bf16" if native_bf16 else "int8" if int8_drafters_pay(device, dtype) else "float"
     if choice == "int8" and (device.type != "cpu" or not int4_available()):
         raise BlockdraftError(
             "int8 drafter weights run on CPU with torch's int8 kernel (torch >= 2.6); use --draft-weights float here"
+        )
+    if choice == "bf16" and dtype == torch.bfloat16 and device.type == "cpu":
+        return "float"
+    if choice == "bf16" and not native_bf16:
+        raise BlockdraftError(
+            "bf16 drafter weights run for a float32 target on a CPU with AVX512-BF16 through blockdraft's native "
+            "kernels (a C++ compiler and ninja); use --draft-weights float or int8 here"
         )
     return choice
 
@@ -166,8 +178,10 @@ class Engine:
         target the GGUF file's own values, see `models.quant`); drafters as `draft_weights` says.
         `draft_weights`: "int8" runs the drafters' linear layers (and their share of the LM head)
         from int8 copies of their weights (CPU; `draft_head.quantize_drafter`): a draft pass
-        reads 4x fewer bytes, the output is the target's either way; "float": the target's
-        floating dtype; "auto" (default): int8 for fp32 drafters on CPU, else float.
+        reads 4x fewer bytes, the output is the target's either way; "bf16": an fp32 target's
+        DFlash drafters in bf16 through the native pass (a CPU with AVX512-BF16); "float": the
+        target's floating dtype; "auto" (default): bf16 where that runs for an fp32 target, else
+        int8 for fp32 drafters on CPU, else float (`resolve_draft_weights`).
         `exact` (default): every product and attention row-independent (`models.exact`), so that
         a token verified in a block or a tree gets bit for bit the logits it gets decoded alone
         (q4_1 targets are made so by `models.quant`); `exact=False`: fp32 products through the

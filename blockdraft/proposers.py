@@ -136,8 +136,9 @@ class DFlashProposer(Proposer):
         """The drafter's final hidden states [B, n, H] that draft positions p+1..p+n (None for n = 0:
         the observed context is taken in all the same): a block of the anchor and n masks read
         from slot 1 (DFlash's layout), or of the anchor and n - 1 masks read from slot 0 (DSpark's)."""
+        dtype = self.drafter.fc.weight.dtype  # a bf16 drafter beside an fp32 target reads its tensors in bf16
         for features, ctx_positions, ctx_rows, valid in self._pending:
-            self.drafter.write_context(self.cache, features, ctx_positions, ctx_rows, valid)
+            self.drafter.write_context(self.cache, features.to(dtype), ctx_positions, ctx_rows, valid)
         self._pending = []
         if n == 0:
             return None
@@ -145,7 +146,7 @@ class DFlashProposer(Proposer):
         block_positions = positions[:, None] + offsets
         block = torch.full_like(block_positions, self.mask_token_id)
         block[:, 0] = last_tokens
-        hidden = self.drafter(self.target.embed(block), block_positions, cache=self.cache, rows=rows)
+        hidden = self.drafter(self.target.embed(block).to(dtype), block_positions, cache=self.cache, rows=rows)
         return hidden[:, self.first_slot :]
 
     def propose(self, last_tokens, positions, n, rows=slice(None), probs=False):

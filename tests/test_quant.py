@@ -216,13 +216,19 @@ def test_draft_weights_resolve_and_refuse_clearly():
     from blockdraft.engine import resolve_draft_weights
     from blockdraft.errors import BlockdraftError
 
+    from blockdraft.models import native
+
     cpu = torch.device("cpu")
-    assert resolve_draft_weights("auto", cpu, torch.float32) == "int8"
+    # an fp32 target's drafters: bf16 through the native pass where it runs, else int8
+    assert resolve_draft_weights("auto", cpu, torch.float32) == ("bf16" if native.available() else "int8")
     assert resolve_draft_weights("auto", cpu, torch.bfloat16) == "float"
     assert resolve_draft_weights("auto", torch.device("cuda"), torch.float32) == "float"
     assert resolve_draft_weights("float", cpu, torch.float32) == "float"
+    assert resolve_draft_weights("bf16", cpu, torch.bfloat16) == "float"  # the target's dtype already
     with pytest.raises(BlockdraftError, match="CPU"):
         resolve_draft_weights("int8", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(BlockdraftError, match="AVX512-BF16"):
+        resolve_draft_weights("bf16", torch.device("cuda"), torch.float32)
     with pytest.raises(BlockdraftError, match="one of"):
         resolve_draft_weights("int4", cpu, torch.float32)
 
@@ -275,6 +281,43 @@ def test_int8_drafters_are_lossless_and_keep_their_acceptance(smol, chat_ids, sh
         assert steps32 < 0.9 * tokens, (kind, steps32, tokens)  # the drafts do get accepted
     q8 = shipped_pair["dflash"][1]  # its whole trained block, two rows
     assert steps_and_outputs(DFlashProposer(q8, smol), q8.config.block_size, batch_size=2)[1] == ar
+
+
+def test_bf16_drafters_beside_an_fp32_target_are_lossless_and_keep_their_acceptance(smol, chat_ids, shipped_pair):
+    """`draft_weights="bf16"` (what "auto" picks for an fp32 target where the native kernels run):
+    the DFlash drafter in bf16, its pass native, reading the fp32 target's features, embeddings
+    and LM-head rows cast to bf16. Greedy output is the target's own (a chain, adaptive widths, a
+    tree, two rows at the whole block) and the drafts stay as good as the fp32 drafter's (at most
+    10% more verify steps); another kind (EAGLE-3) gets what "auto" gives it without bf16."""
+    from blockdraft import drafters
+    from blockdraft.engine import shipped_drafter
+    from blockdraft.models import native
+    from blockdraft.proposers import DFlashTreeProposer
+
+    if not native.available():
+        pytest.skip("the native kernels do not run here")
+    bf = drafters.load_drafter("dflash", shipped_drafter("dflash"), smol, draft_weights="bf16", packed=True)
+    assert bf.fc.weight.dtype == torch.bfloat16 and bf.draft_pass == "native" and bf.head.name == "native"
+    eagle = drafters.load_drafter("eagle3", shipped_drafter("eagle3"), smol, draft_weights="bf16", packed=True)
+    assert eagle.head.name == ("int8" if quant.int8_drafters_pay(smol.device, smol.dtype) else "float")
+    prompts = chat_ids[:2]
+    ar = [_run(smol, Proposer(), [p], 1, max_new=32)[0] for p in prompts]
+
+    def steps_and_outputs(proposer, block, batch_size=1, adaptive=False):
+        states = []
+        reqs = [Request(p, max_new_tokens=32, stop_token_ids=(2,)) for p in prompts]
+        steps = generate_steps(smol, proposer, reqs, block, states, batch_size=batch_size, adaptive=adaptive)
+        return sum(1 for _ in steps), [s.output_ids for s in states]
+
+    fp32 = shipped_pair["dflash"][0]
+    steps32, out32 = steps_and_outputs(DFlashProposer(fp32, smol), 3)
+    steps16, out16 = steps_and_outputs(DFlashProposer(bf, smol), 3)
+    assert out32 == ar and out16 == ar
+    assert steps16 <= 1.1 * steps32 and steps32 < 0.9 * sum(len(a) for a in ar), (steps16, steps32)
+    block = bf.config.block_size
+    assert steps_and_outputs(DFlashProposer(bf, smol), block, batch_size=2)[1] == ar
+    assert steps_and_outputs(DFlashProposer(bf, smol), block, adaptive=True)[1] == ar
+    assert steps_and_outputs(DFlashTreeProposer(bf, smol, top_k=4, tree_nodes=8), 9)[1] == ar
 
 
 def test_an_int8_drafter_cannot_be_saved(tmp_path, random_drafter):

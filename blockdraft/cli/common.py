@@ -43,11 +43,13 @@ def add_model_args(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--draft-weights",
-        choices=["auto", "float", "int8"],
+        choices=["auto", "float", "int8", "bf16"],
         default="auto",
         help="drafters' linear layers: int8 copies of their weights (CPU: a draft pass reads 4x "
-        "fewer bytes; the output is the target's either way), float (the target's dtype), or "
-        "auto (default: int8 for fp32 drafters on CPU)",
+        "fewer bytes; the output is the target's either way), bf16 beside an fp32 target (DFlash "
+        "drafters through the native pass, a CPU with AVX512-BF16), float (the target's dtype), or "
+        "auto (default: bf16 for an fp32 target's DFlash drafters where the native pass runs, else "
+        "int8 for fp32 drafters on CPU)",
     )
 
 

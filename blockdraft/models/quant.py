@@ -124,7 +124,7 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # what `Engine.load(draft_weights=...)` accepts: "float" = the target's floating dtype
-DRAFT_WEIGHTS = ("auto", "float", "int8")
+DRAFT_WEIGHTS = ("auto", "float", "int8", "bf16")
 
 
 def int8_drafters_pay(device: torch.device, dtype: torch.dtype) -> bool:
