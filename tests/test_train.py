@@ -1472,3 +1472,52 @@ def test_a_bf16_targets_training_features_are_the_fused_steps_row_by_row(tiny_co
             alone_final, alone = trainer.target_forward(tokens[i : i + 1, :n], positions[:1, :n], (1, 3), full=True)
         assert torch.equal(features[i, :n], alone[0]) and torch.equal(final[i, :n], alone_final[0])
         torch.testing.assert_close(features[i, :n].float(), eager[i, :n].float(), rtol=0.05, atol=0.05)
+
+
+def test_an_accelerator_lease_continues_the_committed_wide_block_run(monkeypatch, tmp_path):
+    """`tools/accelerator_job.py train --recipe-from data/train-logs/positions/wide16` trains what
+    that run trains (block, layers, layout, loss, draft vocabulary, data) from its weights, at the
+    device's batch with the learning rate scaled by the square root of the batch ratio."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "tools"))
+    import accelerator_train
+
+    position = root / "data/train-logs/positions/wide16"
+    if not (position / "state.json").is_file():
+        pytest.skip("no committed wide16 position")
+    run = json.loads((position / "state.json").read_text())["config"]
+    recipe = accelerator_train.recipe_from(position, 64)
+    for key in (
+        "block_size",
+        "num_layers",
+        "draft_layout",
+        "position_weights",
+        "distill",
+        "draft_vocab",
+        "markov_rank",
+    ):
+        assert recipe[key] == run[key], key
+    assert recipe["init_from"] == str(position / "drafter")
+    assert [Path(d).relative_to(root).as_posix() for d in recipe["data"]] == run["data"].split(",")
+    assert all(Path(d).is_dir() for d in recipe["data"])
+    assert recipe["lr"] == pytest.approx(run["lr"] * 4)
+    cfg = TrainConfig(data=",".join(recipe.pop("data")), out="unused", **recipe)
+    shipped = DFlashDrafter.load(position / "drafter").config
+    assert cfg.block_size == shipped.block_size == 16 and cfg.num_layers == shipped.num_hidden_layers
+    # the job's training stage takes it, the flags given still winning
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def trainer(cfg):
+        seen["cfg"] = cfg
+        raise Built
+
+    monkeypatch.setattr("blockdraft.train.trainer.Trainer", trainer)
+    with pytest.raises(Built):
+        accelerator_train.train(tmp_path, None, None, 64, {"recipe_from": str(position), "num_anchors": 48})
+    got = seen["cfg"]
+    assert got.block_size == 16 and got.draft_layout == "anchor" and got.batch_size == 64 and got.num_anchors == 48
+    assert got.init_from == str(position / "drafter") and got.lr == pytest.approx(run["lr"] * 4)
+    assert got.data == ",".join(str(root / d) for d in run["data"].split(","))

@@ -17,6 +17,8 @@ answers are merged by id).
     python tools/accelerator_job.py main --no-train ...            # prompts and answers only
     python tools/accelerator_job.py train --seconds 330            # then training alone, time-boxed
     python tools/accelerator_job.py more --steps 300 --lr 1e-3 --out OUT   # a second run from the first's weights
+    python tools/accelerator_job.py train --seconds 480 --recipe-from data/train-logs/positions/wide16
+                                                                   # continue a committed run (its recipe, data, weights)
 
 The first lease (one H200, 2026-12-04; logs in data/train-logs/accelerator-h200-1), with the
 working tree carried as small as it goes (two calls of at most 64 MiB each: the GGUF's two
@@ -135,7 +137,7 @@ def cmd_main(args):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if args.train:
-        A.stage("train", train, work, args.seconds, args.target, args.train_batch, json.loads(args.train_settings))
+        A.stage("train", train, work, args.seconds, args.target, args.train_batch, train_settings(args))
     A.stage("pack", pack, work, out)
     A.log("done")
 
@@ -162,12 +164,18 @@ def cmd_train(args):
     if args.fingerprints:
         A.use_fingerprints(args.fingerprints)
     set_aside(Path(args.work), "train0")
-    A.stage(
-        "train", train, Path(args.work), args.seconds, args.target, args.train_batch, json.loads(args.train_settings)
-    )
+    A.stage("train", train, Path(args.work), args.seconds, args.target, args.train_batch, train_settings(args))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     A.stage("pack", pack, Path(args.work), Path(args.out))
     A.log("done")
+
+
+def train_settings(args) -> dict:
+    """--train-settings (JSON) with --recipe-from: the committed run the training continues."""
+    settings = json.loads(args.train_settings)
+    if getattr(args, "recipe_from", None):
+        settings["recipe_from"] = args.recipe_from
+    return settings
 
 
 def cmd_fetch_rest(args):
@@ -233,6 +241,12 @@ def cmd_smoke(args):
     cmd_main(args)
 
 
+RECIPE_HELP = (
+    "a committed position (data/train-logs/positions/NAME): continue that run's drafter, its recipe, data "
+    "and weights, at this job's batch (accelerator_train.recipe_from)"
+)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -259,6 +273,7 @@ def main():
             p.add_argument("--train", action=argparse.BooleanOptionalAction, default=True)
             p.add_argument("--train-batch", type=int, default=64)
             p.add_argument("--train-settings", default="{}")
+            p.add_argument("--recipe-from", help=RECIPE_HELP)
     p = sub.add_parser("more")
     p.add_argument("--target")
     p.add_argument("--out", default=os.environ.get("OUT", "out/accelerator"))
@@ -275,6 +290,7 @@ def main():
     p.add_argument("--seconds", type=float, default=300, help="this call's wall-clock budget")
     p.add_argument("--train-batch", type=int, default=64)
     p.add_argument("--train-settings", default="{}")
+    p.add_argument("--recipe-from", help=RECIPE_HELP)
     for name in ("fetch-rest",):
         p = sub.add_parser(name)
         p.add_argument("--out", default=os.environ.get("OUT", "out/accelerator"))

@@ -9,16 +9,40 @@ from pathlib import Path
 import accelerator_common as A  # noqa: E402
 
 
+# What shapes a run's drafter and its loss: taken from a committed position by `recipe_from`.
+RECIPE = (
+    "arch", "block_size", "num_layers", "target_layer_ids", "mask_token_id", "num_anchors", "anchor_mode", "gamma",
+    "position_weights", "dpace_alpha", "context_mode", "sliding_window", "full_layers", "max_seq_len",
+    "markov_rank", "draft_layout", "distill", "draft_vocab",
+)  # fmt: skip
+
+
+def recipe_from(position: Path, batch: int) -> dict:
+    """Settings that continue a committed run's drafter (`data/train-logs/positions/NAME`, e.g. the
+    block-16 `wide16`) at the device's batch: its recipe (`RECIPE`), its data folders, its weights
+    as the start, and its learning rate scaled by the square root of the batch ratio."""
+    state = json.loads((position / "state.json").read_text())
+    cfg = state["config"]
+    out = {k: cfg[k] for k in RECIPE if k in cfg}
+    out["init_from"] = str(position / "drafter")
+    out["data"] = [str(A.ROOT / f) for f in cfg["data"].split(",")]
+    out["lr"] = cfg["lr"] * (batch / cfg["batch_size"]) ** 0.5
+    return out
+
+
 def train(work: Path, seconds: float | None, target: str | None, batch: int, overrides: dict) -> Path:
     """A DSpark drafter (DFlash + rank-256 Markov head) on all the answers, its schedule sized
     from the first steps' speed so that it ends (decayed) inside `seconds` (None: the
-    `max_steps` of `overrides`)."""
+    `max_steps` of `overrides`). `overrides["recipe_from"]`: a committed position whose run
+    this continues (`recipe_from`; other overrides still win)."""
     import torch
 
     from blockdraft.train.config import TrainConfig
     from blockdraft.train.trainer import Trainer
 
-    data = [str(A.ROOT / f) for f in A.COMMITTED_ANSWERS if (A.ROOT / f).is_dir()]
+    overrides = dict(overrides)
+    recipe = recipe_from(Path(overrides.pop("recipe_from")), batch) if overrides.get("recipe_from") else {}
+    data = recipe.pop("data", None) or [str(A.ROOT / f) for f in A.COMMITTED_ANSWERS if (A.ROOT / f).is_dir()]
     if (work / "regen" / A.NEW_ANSWERS).is_dir():
         data.append(str(work / "regen" / A.NEW_ANSWERS))
     settings = dict(
@@ -41,6 +65,7 @@ def train(work: Path, seconds: float | None, target: str | None, batch: int, ove
         log_every=20,
         max_steps=10**6,
     )
+    settings.update(recipe)
     settings.update(overrides)
     t = time.time()
     cfg = TrainConfig(data=",".join(data), out=str(work / "train"), target=target, **settings)
