@@ -43,6 +43,25 @@ def test_adaptive_drafts_deep_where_verify_is_cheap_and_stops_where_drafts_do_no
     assert policy.plan(16) > 0  # (backing off one step at first)
 
 
+def test_probes_look_a_few_positions_past_the_best_depth():
+    """The first pass drafts the whole block; after it every PROBE_EVERY-th pass drafts PROBE_AHEAD
+    positions past the depth that pays, not the whole block (for a block-16 drafter a whole-block
+    probe verified 16 tokens, 2 plain steps on the 2-core AMD EPYC, for positions an accepted
+    chain hardly ever reaches), and the passes between them draft that depth."""
+    policy = SpeculationPolicy(LookupProposer(max_block_size=16), 16, adaptive=True)
+    every, ahead = SpeculationPolicy.PROBE_EVERY, SpeculationPolicy.PROBE_AHEAD
+    for w in range(1, 17):
+        policy.costs.record(1, w, 0.01 * (1 + 0.25 * (w - 1)))
+        policy.costs.record_draft(1, w - 1 or 1, 0.001)
+    for _ in range(40):
+        verify(policy, 1, 16, 0.05, [0, 1, 2, 3])  # chains die within the first four positions
+    depths = [policy.plan(1) for _ in range(2 * every + 1)]
+    best = depths[1]
+    assert depths[0] == 15 and 1 <= best and best + ahead < 15
+    assert depths[every] == depths[2 * every] == best + ahead
+    assert all(d == best for i, d in enumerate(depths) if i % every)
+
+
 def test_adaptive_cuts_each_chain_by_its_calibrated_probabilities():
     """A drafter with probabilities: verifying costs a step per token beyond the first (rigged),
     so a row keeps only the drafts whose cumulative probability pays for them."""
