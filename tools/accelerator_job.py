@@ -17,8 +17,8 @@ answers are merged by id).
     python tools/accelerator_job.py main --no-train ...            # prompts and answers only
     python tools/accelerator_job.py train --seconds 330            # then training alone, time-boxed
     python tools/accelerator_job.py more --steps 300 --lr 1e-3 --out OUT   # a second run from the first's weights
+    # continue a committed run (its recipe, data folders and weights) on the device:
     python tools/accelerator_job.py train --seconds 480 --recipe-from data/train-logs/positions/wide16
-                                                                   # continue a committed run (its recipe, data, weights)
 
 The first lease (one H200, 2026-12-04; logs in data/train-logs/accelerator-h200-1), with the
 working tree carried as small as it goes (two calls of at most 64 MiB each: the GGUF's two
