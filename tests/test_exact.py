@@ -317,3 +317,22 @@ def test_a_tree_node_meets_its_keys_as_it_would_decoded_alone():
             scattered_wrong += not torch.equal(alone, scattered[:, :, i : i + 1])
     assert gathered_wrong == 0
     assert scattered_wrong > 0
+
+
+def test_each_checkout_builds_the_native_kernels_in_its_own_folder(tmp_path):
+    """The build folder's tag changes with the sources' folder as with their bytes: torch's build
+    files name the sources by path, and two checkouts sharing one folder rebuilt it for each other
+    (a clean clone's test run, then the background training's restart, each waited a minute, and a
+    process stopped while it held the build lock left the other waiting)."""
+    from blockdraft.models import native
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        for src in [*native.SOURCES, native.HEADER]:
+            (folder / src.name).write_bytes(src.read_bytes())
+    files = lambda folder: [folder / p.name for p in [*native.SOURCES, native.HEADER]]  # noqa: E731
+    assert native.build_tag(files(a)) != native.build_tag(files(b))
+    assert native.build_tag(files(a)) == native.build_tag(files(a))
+    (a / native.HEADER.name).write_text("// changed\n")
+    assert native.build_tag(files(a)) != native.build_tag([*files(a)[:-1], b / native.HEADER.name])

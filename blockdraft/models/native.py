@@ -47,6 +47,15 @@ def supported() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None and cpp_extension.is_ninja_available()
 
 
+def build_tag(files) -> str:
+    """The build folder's name: the sources' bytes, the flags, torch's version and the sources'
+    folder (torch's build files name the sources by path: two checkouts sharing `$BLOCKDRAFT_HOME`
+    with one folder rebuilt it for each other, and waited on each other's build lock)."""
+    code = b"".join(p.read_bytes() for p in files)
+    where = str(Path(files[0]).resolve().parent).encode()
+    return hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode() + where).hexdigest()[:12]
+
+
 @functools.cache
 def module():
     """The built extension, or None (not supported here, or the build failed: one warning)."""
@@ -56,8 +65,7 @@ def module():
 
     from .default import cache_home
 
-    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
-    tag = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    tag = build_tag([*SOURCES, HEADER])
     folder = cache_home() / "native" / tag
     folder.mkdir(parents=True, exist_ok=True)
     fresh = not any(folder.glob("*.so"))
