@@ -69,9 +69,9 @@ def load_drafter(name: str, folder, target, *, draft_weights: str = "float", pac
     "auto" would have it without bf16 (int8 where that pays, else float)."""
     spec = kind(name)
     if draft_weights == "bf16" and not spec.bf16_beside_fp32:
-        from .models.quant import int8_drafters_pay
+        from .models.quant import without_bf16
 
-        draft_weights = "int8" if int8_drafters_pay(target.device, target.dtype) else "float"
+        draft_weights = without_bf16(target.device, target.dtype)
     dtype = torch.bfloat16 if draft_weights == "bf16" else target.dtype
     module = spec.load(folder, target.device, dtype)
     module.check_target(target.config)

@@ -97,13 +97,13 @@ def resolve_draft_weights(choice: str, device: torch.device, dtype: torch.dtype)
     a bf16 target's drafters are "float" already). "auto": "bf16" for an fp32 target on a CPU
     where the native kernels run, else int8 where torch's kernel has it (fp32 on CPU), else float."""
     from .models import native
-    from .models.quant import DRAFT_WEIGHTS, int4_available, int8_drafters_pay
+    from .models.quant import DRAFT_WEIGHTS, int4_available, without_bf16
 
     if choice not in DRAFT_WEIGHTS:
         raise BlockdraftError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {choice!r}")
     native_bf16 = device.type == "cpu" and dtype == torch.float32 and native.available()
     if choice == "auto":
-        return "bf16" if native_bf16 else "int8" if int8_drafters_pay(device, dtype) else "float"
+        return "bf16" if native_bf16 else without_bf16(device, dtype)
     if choice == "int8" and (device.type != "cpu" or not int4_available()):
         raise BlockdraftError(
             "int8 drafter weights run on CPU with torch's int8 kernel (torch >= 2.6); use --draft-weights float here"

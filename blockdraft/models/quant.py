@@ -127,9 +127,10 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 DRAFT_WEIGHTS = ("auto", "float", "int8", "bf16")
 
 
-def int8_drafters_pay(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `draft_weights="auto"` picks int8: fp32 drafters on CPU where torch has the kernel."""
-    return device.type == "cpu" and dtype == torch.float32 and int4_available()
+def without_bf16(device: torch.device, dtype: torch.dtype) -> str:
+    """The drafter weights `draft_weights="auto"` picks where bf16 is not an option: "int8" for fp32
+    drafters on CPU where torch has the kernel, else "float"."""
+    return "int8" if device.type == "cpu" and dtype == torch.float32 and int4_available() else "float"
 
 
 def quantize_linears(module: nn.Module) -> int:
