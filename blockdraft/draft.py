@@ -208,6 +208,7 @@ class DrafterBase(nn.Module):
     # the target's, which a drafter reads from the target; a folder holding copies (DSpark's layout) loads
     borrowed_weights = ("embed_tokens.weight", "lm_head.weight")
     draft_pass = "eager"  # which pass decodes, as `Engine.precision` reports it
+    vocab_rows = ("markov_head.markov_w2.weight",)  # weights with a row per draft-vocabulary token
 
     def __init__(self):
         super().__init__()

@@ -687,6 +687,42 @@ def test_warm_start_keeps_the_saved_draft_vocabulary_on_other_data(tiny_corpus, 
     assert torch.equal(warm.to_draft[saved], torch.arange(48))
 
 
+def test_a_resumed_run_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_corpus, tmp_path):
+    """`--resume --draft-vocab N` above the checkpoint's: the saved tokens kept, the most frequent
+    others added; each kept token's logit (the Markov correction included) and AdamW moments are
+    where they were, an added token's Markov row and moments start at 0, and training goes on."""
+    root, _, _, answers = tiny_corpus
+    out, warm = tmp_path / "run", tmp_path / "warm"
+    Trainer(tiny_config(root, warm, draft_vocab=40, markov_rank=8, max_steps=1)).run()
+    kw = dict(markov_rank=8, max_steps=6, save_every=4, init_from=str(warm / "drafter"))  # a warm-started run
+    Trainer(tiny_config(root, out, draft_vocab=40, **kw)).run(until=4)
+    before = DFlashDrafter.load(out / "checkpoint" / "drafter")
+    moments = torch.load(out / "checkpoint" / "optimizer.pt")["state"]
+    wide = Trainer(tiny_config(root, out, draft_vocab=56, **kw), resume=True)
+    old, new = before.draft_vocab, wide.drafter.draft_vocab
+    assert new.numel() == 56 and set(old.tolist()) <= set(new.tolist())
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=wide.target.config.vocab_size)
+    added = sorted(set(new.tolist()) - set(old.tolist()))
+    outside = counts.clone()
+    outside[new] = -1
+    assert min(counts[added].tolist()) >= int(outside.max())  # the most frequent of the rest
+    assert torch.equal(wide.to_draft[new], torch.arange(56))
+    h, prev = torch.randn(5, before.config.hidden_size), torch.tensor(old[:5].tolist())
+    head = wide.target.lm_head.weight
+    with torch.no_grad():
+        was = before.draft_logits(h, head) + before.markov_head(prev)
+        now = wide.drafter.draft_logits(h, head) + wide.drafter.markov_head(prev)
+    kept = torch.searchsorted(new, old)
+    assert torch.allclose(now[:, kept], was, atol=1e-5)
+    fresh = torch.tensor([i for i in range(56) if i not in set(kept.tolist())])
+    assert not wide.drafter.markov_head.markov_w2.weight[fresh].any()
+    index = [n for n, _ in wide.drafter.named_parameters()].index("markov_head.markov_w2.weight")
+    state = wide.optimizer.state_dict()["state"][index]
+    assert torch.equal(state["exp_avg"][kept], moments[index]["exp_avg"]) and not state["exp_avg_sq"][fresh].any()
+    wide.run()
+    assert wide.step == 6 and DFlashDrafter.load(out / "drafter").draft_vocab.numel() == 56
+
+
 def test_sliding_window_drafter_trains_on_the_blocks_it_decodes(tiny_corpus, tmp_path):
     """`blockdraft train --sliding-window W --full-layers ...`: the masked training forward of a
     drafter with a sliding-window layer equals its cached decode forward block for block (the

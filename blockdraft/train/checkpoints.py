@@ -108,6 +108,38 @@ def init_from_folder(self, folder: Path):
     self.drafter.load_state_dict(theirs)
 
 
+def widen_draft_vocab(self, weights: dict, optimizer: dict | None, step: int):
+    """A checkpoint's weights (and AdamW state) for this run's wider draft vocabulary: the saved
+    vocabulary kept, the samples' most frequent other answer tokens added (`frequent_tokens`), each
+    kept token's rows (the drafter's `vocab_rows`: the Markov head's W2, and their moments) moved to
+    its new index, an added token's at 0. The drafter's other weights and the schedule are unchanged."""
+    old = weights["draft_vocab"]
+    new = torch.as_tensor(self.frequent_tokens(keep=old.tolist()), dtype=torch.long)
+    at = torch.searchsorted(new, old)  # each kept token's new index (both sorted)
+    names = [name for name, _ in self.drafter.named_parameters()]
+
+    def spread(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_zeros((new.numel(), *rows.shape[1:]))
+        out[at.to(rows.device)] = rows
+        return out
+
+    weights = dict(weights, draft_vocab=new)
+    wide = [k for k in self.drafter.vocab_rows if k in weights]
+    for k in wide:
+        weights[k] = spread(weights[k])
+        moments = optimizer["state"].get(names.index(k), {}) if optimizer is not None else {}
+        for m in ("exp_avg", "exp_avg_sq"):
+            if m in moments:
+                moments[m] = spread(moments[m])
+    if self.rank == 0:
+        print(
+            f"train: draft vocabulary widened from {old.numel()} to {new.numel()} tokens at step {step} "
+            f"({', '.join(wide) or 'no'} rows moved; the added tokens' at 0)",
+            file=sys.stderr,
+        )
+    return weights, optimizer
+
+
 def load_checkpoint(self):
     ck = self.out / "checkpoint"
     state = json.loads((ck / "state.json").read_text())
@@ -116,13 +148,20 @@ def load_checkpoint(self):
     skip = SKIP_ON_RESUME
     saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in skip}
     now = {k: v for k, v in asdict(self.cfg).items() if k not in skip}
+    widen = 0 < saved["draft_vocab"] < now["draft_vocab"]  # a resumed run may widen its draft vocabulary
+    if widen:
+        saved["draft_vocab"] = now["draft_vocab"]
     if saved != now:
         diff = sorted(k for k in now if saved.get(k) != now[k])
         raise BlockdraftError(f"--resume: the checkpoint was made with other settings ({', '.join(diff)})")
     loaded = type(self.drafter).load(ck / "drafter", self.device, torch.float32)
-    self.drafter.load_state_dict(loaded.state_dict())
-    if (ck / "optimizer.pt").is_file():
-        self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device))
+    weights = loaded.state_dict()
+    optimizer = torch.load(ck / "optimizer.pt", map_location=self.device) if (ck / "optimizer.pt").is_file() else None
+    if widen:
+        weights, optimizer = widen_draft_vocab(self, weights, optimizer, state["step"])
+    self.drafter.load_state_dict(weights)
+    if optimizer is not None:
+        self.optimizer.load_state_dict(optimizer)
     elif self.rank == 0:
         print(
             f"train: {ck} holds no optimizer state (a committed position): AdamW's moments start anew at "

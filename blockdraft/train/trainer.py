@@ -102,21 +102,12 @@ class Trainer:
         self.drafter.reset_parameters()
         if cfg.init != "random":
             init_from_target(self.drafter, self.target, cfg.init, self.kind.init_layers)
-        if cfg.init_from:
+        resuming = resume and (self.out / "checkpoint" / "state.json").is_file()
+        if cfg.init_from and not resuming:  # (a checkpoint replaces the warm start's weights)
             self._init_from_folder(Path(cfg.init_from))
-        self.to_draft = None
         if cfg.draft_vocab and not cfg.init_from:  # a warm start keeps its folder's vocabulary
-            self.drafter.set_draft_vocab(
-                frequent_tokens(
-                    [s[0][s[1] :] for s in self.samples],
-                    [s[0][: s[1]] for s in self.samples],
-                    self.drafter.draft_vocab.numel(),
-                    self.target.config.vocab_size,
-                )
-            )
-        if cfg.draft_vocab:
-            self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
-            self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
+            self.drafter.set_draft_vocab(self.frequent_tokens())
+        self._map_draft_vocab()
         self.features = None
         if cfg.feature_cache:
             from .features import FeatureCache
@@ -149,11 +140,29 @@ class Trainer:
             weight_decay=cfg.weight_decay,
             fused=self.device.type in ("cpu", "cuda"),
         )
-        if resume and (self.out / "checkpoint" / "state.json").is_file():
+        if resuming:
             self._load_checkpoint()
+            self._map_draft_vocab()  # (a resumed run may have widened it)
         self.model = self.drafter
         if self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(self.drafter)
+
+    def frequent_tokens(self, keep=()) -> list[int]:
+        """The draft vocabulary the samples give (`loss.frequent_tokens`; `keep` first)."""
+        return frequent_tokens(
+            [s[0][s[1] :] for s in self.samples],
+            [s[0][: s[1]] for s in self.samples],
+            self.drafter.draft_vocab.numel(),
+            self.target.config.vocab_size,
+            keep,
+        )
+
+    def _map_draft_vocab(self):
+        """`to_draft`: target id -> draft-vocabulary index (-1 outside it); None without one."""
+        self.to_draft = None
+        if self.cfg.draft_vocab:
+            self.to_draft = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self.to_draft[self.drafter.draft_vocab] = torch.arange(self.drafter.draft_vocab.numel(), device=self.device)
 
     # ---- data ------------------------------------------------------------------------
 
