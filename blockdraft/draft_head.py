@@ -36,8 +36,9 @@ class FloatHead:
         self.dtype: torch.dtype | None = None  # the drafter's, where it differs from the head's (kept rows cast)
 
     def keep(self, what: str, lm_head_weight: torch.Tensor, vocab: torch.Tensor | None, make):
-        """`make()`, kept under `what` until the head or the draft vocabulary changes."""
-        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight))
+        """`make()`, kept under `what` until the head or the draft vocabulary changes (or inference
+        mode: a tensor made under it cannot enter a training step's autograd graph)."""
+        key = (lm_head_weight.data_ptr(), tensor_version(lm_head_weight), torch.is_inference_mode_enabled())
         if vocab is not None:
             key += (vocab.data_ptr(), tensor_version(vocab))
         cached = self._kept.get(what)

@@ -1559,28 +1559,38 @@ def test_an_accelerator_lease_continues_the_committed_wide_block_run(monkeypatch
     assert got.data == ",".join(str(root / d) for d in run["data"].split(","))
 
 
-def test_a_decay_branch_decays_to_zero_from_the_runs_step_and_leaves_the_run_alone(tiny_corpus, tmp_path, monkeypatch):
-    """`benchmarks/decay_branch.py`: from the run's checkpoint, --steps steps whose learning rate
-    falls linearly from the run's towards 0, held-out tau before and after; the run's checkpoint
-    and feature cache writer are untouched (the branch stores features under its own name)."""
+def test_branches_off_a_run_decay_or_widen_it_and_leave_the_run_alone(tiny_corpus, tmp_path, monkeypatch):
+    """`benchmarks/branch.py`: from the run's checkpoint, --steps steps; `--decay`: the learning
+    rate falls linearly from the run's towards 0; `--draft-vocab N`: the run's schedule with its
+    draft vocabulary widened; held-out tau before and after; the run's checkpoint and feature cache
+    writer are untouched (a branch stores features under its own name)."""
     root, target, prompts, answers = tiny_corpus
     run, cache = tmp_path / "run", tmp_path / "cache"
-    cfg = tiny_config(root, run, schedule="wsd", warmup_steps=2, save_every=3, feature_cache=str(cache))
+    cfg = tiny_config(
+        root, run, schedule="wsd", warmup_steps=2, save_every=3, feature_cache=str(cache), draft_vocab=40, markov_rank=8
+    )
     Trainer(cfg).run(until=6)
     kept = {p.name: p.read_bytes() for p in [*(run / "checkpoint").rglob("*"), *cache.iterdir()] if p.is_file()}
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import decay_branch
+    import branch
 
     results = tmp_path / "branches.jsonl"
-    decay_branch.main(["--run", str(run), "--steps", "4", "--out", str(tmp_path / "branch"), "--results", str(results)])
-    record = json.loads(results.read_text())
-    assert record["from_step"] == 6 and record["decay_steps"] == 4 and 1.0 <= record["tau_after"] <= 4.0
-    assert 1.0 <= record["tau_before"] <= 4.0
-    lrs = [json.loads(line)["lr"] for line in (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lrs) == 4 and lrs == sorted(lrs, reverse=True) and lrs[0] > 0.8 * cfg.lr and lrs[-1] < 0.3 * cfg.lr
+    for extra in (["--decay", "--steps", "4"], ["--steps", "2", "--draft-vocab", "56"]):
+        branch.main(["--run", str(run), *extra, "--out", str(tmp_path / "branch"), "--results", str(results)])
+        lrs = [json.loads(line)["lr"] for line in (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()]
+        if "--decay" in extra:
+            assert len(lrs) == 4 and lrs == sorted(lrs, reverse=True)
+            assert lrs[0] > 0.8 * cfg.lr and lrs[-1] < 0.3 * cfg.lr
+        else:
+            assert lrs == [cfg.lr] * 2
+            assert DFlashDrafter.load(tmp_path / "branch" / "checkpoint" / "drafter").draft_vocab.numel() == 56
+    decayed, widened = [json.loads(line) for line in results.read_text().splitlines()]
+    assert (decayed["from_step"], decayed["steps"], decayed["decay"], decayed["draft_vocab"]) == (6, 4, True, 40)
+    assert (widened["from_step"], widened["steps"], widened["decay"], widened["draft_vocab"]) == (6, 2, False, 56)
+    assert all(1.0 <= r[k] <= 4.0 for r in (decayed, widened) for k in ("tau_before", "tau_after"))
     assert {
         p.name: p.read_bytes()
         for p in [*(run / "checkpoint").rglob("*"), *cache.iterdir()]
         if p.is_file() and p.name in kept
     } == kept
-    assert (cache / "index-decay-branch.jsonl").is_file()
+    assert (cache / "index-branch.jsonl").is_file()
