@@ -690,7 +690,8 @@ def test_warm_start_keeps_the_saved_draft_vocabulary_on_other_data(tiny_corpus, 
 def test_a_resumed_run_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_corpus, tmp_path):
     """`--resume --draft-vocab N` above the checkpoint's: the saved tokens kept, the most frequent
     others added; each kept token's logit (the Markov correction included) and AdamW moments are
-    where they were, an added token's Markov row and moments start at 0, and training goes on."""
+    where they were, an added token's Markov row starts at the kept rows' mean (every added token
+    gets the correction's common part), its moments at 0, and training goes on."""
     root, _, _, answers = tiny_corpus
     out, warm = tmp_path / "run", tmp_path / "warm"
     Trainer(tiny_config(root, warm, draft_vocab=40, markov_rank=8, max_steps=1)).run()
@@ -715,7 +716,8 @@ def test_a_resumed_run_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_
     kept = torch.searchsorted(new, old)
     assert torch.allclose(now[:, kept], was, atol=1e-5)
     fresh = torch.tensor([i for i in range(56) if i not in set(kept.tolist())])
-    assert not wide.drafter.markov_head.markov_w2.weight[fresh].any()
+    w2 = wide.drafter.markov_head.markov_w2.weight
+    assert torch.allclose(w2[fresh], before.markov_head.markov_w2.weight.mean(0).expand(len(fresh), -1))
     index = [n for n, _ in wide.drafter.named_parameters()].index("markov_head.markov_w2.weight")
     state = wide.optimizer.state_dict()["state"][index]
     assert torch.equal(state["exp_avg"][kept], moments[index]["exp_avg"]) and not state["exp_avg_sq"][fresh].any()

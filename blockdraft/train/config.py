@@ -99,7 +99,7 @@ class TrainConfig:
     draft_vocab: int = _opt(
         0,
         ">0: the drafter scores only the N most frequent answer tokens (0: all); a resumed run may widen it "
-        "(the saved tokens kept, the most frequent others added, their Markov rows starting at 0)",
+        "(the saved tokens kept, the most frequent others added, their Markov rows starting at the kept rows' mean)",
     )
     limit_samples: int | None = _opt(None, "train on the first N training samples only")
     skip_trained_by: str | None = _opt(
