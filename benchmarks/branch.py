@@ -77,6 +77,7 @@ def main(argv=None):
         "steps": args.steps,
         "decay": args.decay,
         "draft_vocab": trainer.drafter.draft_vocab.numel() if cfg.draft_vocab else 0,
+        "added_rows": "kept rows' mean" if args.draft_vocab else None,  # (`checkpoints.widen_draft_vocab`)
         "lr": lr,
         "tau_before": round(before, 4),
         "tau_after": round(after, 4),
