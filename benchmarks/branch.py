@@ -29,6 +29,15 @@ from blockdraft.train.features import FeatureCache
 from blockdraft.train.trainer import Trainer
 
 
+def seconds_per_step(records: list[dict]) -> float | None:
+    """A run's wall seconds a training step between its first and last logged steps (metrics.jsonl
+    records; evaluations excluded where none falls between them)."""
+    if len(records) < 2 or records[-1]["step"] == records[0]["step"]:
+        return None
+    spent = records[-1]["elapsed"] - records[0]["elapsed"]
+    return round(spent / (records[-1]["step"] - records[0]["step"]), 3)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a run folder with a checkpoint (runs/NAME)")
@@ -69,8 +78,8 @@ def main(argv=None):
         cfg.max_steps = start + args.steps
         cfg.decay_frac = (args.steps + 0.5) / cfg.max_steps
     trainer.run(until=start + args.steps)
-    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
-    after = last["tau"] if "tau" in last else trainer.evaluate_tau()  # (a decay's last step evaluates)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    after = records[-1]["tau"] if "tau" in records[-1] else trainer.evaluate_tau()  # (a decay's last step evaluates)
     record = {
         "run": str(run),
         "from_step": start,
@@ -83,6 +92,7 @@ def main(argv=None):
         "tau_after": round(after, 4),
         "eval": {"prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_max_new_tokens, "block": cfg.block_size},
         "minutes": round((time.perf_counter() - t0) / 60, 1),
+        "seconds_per_step": seconds_per_step(records),
         "command": " ".join(["benchmarks/branch.py", *sys.argv[1:]]),
     }
     print(json.dumps(record))
