@@ -138,16 +138,17 @@ def accepted_lengths(right: torch.Tensor) -> torch.Tensor:
     return 1 + right.long().cumprod(-1).sum(-1)
 
 
-def frequent_tokens(answers, prompts, n: int, vocab_size: int, keep=()) -> list[int]:
-    """The draft vocabulary: the `n` most frequent answer tokens; ties and any shortfall are
-    filled from prompt-token frequency, then by id (deterministic). `keep` (a vocabulary being
-    widened): those ids first, the most frequent others after them."""
+def frequent_tokens(samples, n: int, vocab_size: int, keep=()) -> list[int]:
+    """The draft vocabulary of training samples (token ids, answer start, ...): the `n` most
+    frequent answer tokens; ties and any shortfall are filled from prompt-token frequency, then by
+    id (deterministic). `keep` (a vocabulary being widened): those ids first, the most frequent
+    others after them."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for seq in answers:
-        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
     prompt = torch.zeros(vocab_size, dtype=torch.float64)
-    for seq in prompts:
-        prompt += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    for ids, start, *_ in samples:
+        seq = torch.as_tensor(ids, dtype=torch.long)
+        counts += torch.bincount(seq[start:], minlength=vocab_size)
+        prompt += torch.bincount(seq[:start], minlength=vocab_size)
     score = counts * (prompt.sum() + 1) + prompt  # answers first, prompts break ties
     kept = set(int(t) for t in keep)
     order = sorted(range(vocab_size), key=lambda i: (i not in kept, -float(score[i]), i))

@@ -149,13 +149,7 @@ class Trainer:
 
     def frequent_tokens(self, keep=()) -> list[int]:
         """The draft vocabulary the samples give (`loss.frequent_tokens`; `keep` first)."""
-        return frequent_tokens(
-            [s[0][s[1] :] for s in self.samples],
-            [s[0][: s[1]] for s in self.samples],
-            self.drafter.draft_vocab.numel(),
-            self.target.config.vocab_size,
-            keep,
-        )
+        return frequent_tokens(self.samples, self.drafter.draft_vocab.numel(), self.target.config.vocab_size, keep)
 
     def _map_draft_vocab(self):
         """`to_draft`: target id -> draft-vocabulary index (-1 outside it); None without one."""
