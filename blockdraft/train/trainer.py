@@ -105,9 +105,8 @@ class Trainer:
         resuming = resume and (self.out / "checkpoint" / "state.json").is_file()
         if cfg.init_from and not resuming:  # (a checkpoint replaces the warm start's weights)
             self._init_from_folder(Path(cfg.init_from))
-        if cfg.draft_vocab and not cfg.init_from:  # a warm start keeps its folder's vocabulary
+        if cfg.draft_vocab and not cfg.init_from and not resuming:  # a warm start keeps its folder's vocabulary
             self.drafter.set_draft_vocab(self.frequent_tokens())
-        self._map_draft_vocab()
         self.features = None
         if cfg.feature_cache:
             from .features import FeatureCache
@@ -141,8 +140,8 @@ class Trainer:
             fused=self.device.type in ("cpu", "cuda"),
         )
         if resuming:
-            self._load_checkpoint()
-            self._map_draft_vocab()  # (a resumed run may have widened it)
+            self._load_checkpoint()  # (its draft vocabulary, perhaps widened)
+        self._map_draft_vocab()
         self.model = self.drafter
         if self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(self.drafter)
