@@ -198,7 +198,15 @@ class MarkovHead(nn.Module):
 
     def forward(self, previous: torch.Tensor) -> torch.Tensor:
         """Logit corrections [..., V'] for previous target token ids [...]."""
-        return self.markov_w2(self.markov_w1(previous))
+        return self.project(self.embed(previous))
+
+    def embed(self, previous: torch.Tensor) -> torch.Tensor:
+        """W1[previous]: [..., r] (training looks these up once for all its chunks of positions)."""
+        return self.markov_w1(previous)
+
+    def project(self, embedded: torch.Tensor) -> torch.Tensor:
+        """W2 applied to `embed`'s rows: the logit corrections [..., V']."""
+        return self.markov_w2(embedded)
 
 
 class DrafterBase(nn.Module):

@@ -817,6 +817,46 @@ def test_keeping_or_recomputing_the_heads_logits_changes_no_bit(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=False))
 
 
+@pytest.mark.parametrize("soft", [False, True])
+def test_block_cross_entropy_gives_autograds_losses_and_gradient(soft):
+    """The loss's fused cross-entropy (hard labels, and a distribution over a few tokens with
+    repeated and zero-probability ids, as padded teacher rows have): its values are
+    F.cross_entropy's and the soft cross-entropy's bit for bit, and its hand-written backward is
+    autograd's gradient through those formulas, for any weights on the two losses."""
+    import torch.nn.functional as F
+
+    from blockdraft.train.loss import block_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    n, v, k = 64, 300, 6
+    z0 = 3 * torch.randn(n, v, generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (n,), generator=g)
+    t_ids = torch.randint(0, v, (n, k), generator=g) if soft else None
+    if soft:
+        t_ids[:, -1] = t_ids[:, 0]  # a repeated id
+        t_ids[::3, -2] = 0
+        t_probs = torch.softmax(torch.randn(n, k, generator=g, dtype=torch.float64), -1)
+        t_probs[::3, -2] = 0.0  # a padded slot (id -1 clamped to 0, probability 0)
+    else:
+        t_probs = None
+    w_hard, w_soft = torch.rand(n, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+
+    def grad_of(fn):
+        z = z0.clone().requires_grad_()
+        hard, soft_ce = fn(z)
+        loss = (w_hard * hard).sum() + ((w_soft * soft_ce).sum() if soft else 0)
+        loss.backward()
+        return hard.detach(), None if soft_ce is None else soft_ce.detach(), z.grad
+
+    def reference(z):
+        hard = F.cross_entropy(z, y, reduction="none")
+        return hard, -(t_probs * torch.log_softmax(z, -1).gather(1, t_ids)).sum(-1) if soft else None
+
+    got, want = grad_of(lambda z: block_cross_entropy(z, y, t_ids, t_probs)), grad_of(reference)
+    assert torch.equal(got[0], want[0]) and (not soft or torch.equal(got[1], want[1]))
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12)
+
+
 def test_epochs_fix_the_steps_and_the_samples_when_the_run_starts(tiny_corpus, tmp_path):
     """`--epochs 1.5` over two folders of 16 samples, 4 a step: 12 steps, on those 32 samples even
     when the first folder grows before the run resumes from its checkpoint."""

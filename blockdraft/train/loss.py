@@ -39,6 +39,40 @@ def dpace_weights(
     return (weight * labelled.view(n, -1, block_size)).view_as(confidence)
 
 
+class _BlockCrossEntropy(torch.autograd.Function):
+    """Per row of fp32 logits [n, V]: the cross-entropy against a hard label, and against a
+    distribution over a few tokens, from one log-softmax. Its backward writes the logits' gradient
+    in one tensor, p * (g_hard + g_soft * sum(q)) - g_hard * onehot(y) - g_soft * q at q's ids
+    (autograd through `F.cross_entropy` and a second log-softmax builds five [n, V] tensors for
+    it: on a CPU each costs more in fresh pages than in arithmetic)."""
+
+    @staticmethod
+    def forward(ctx, logits, y, t_ids, t_probs):
+        logp = torch.log_softmax(logits, -1)
+        hard = -logp.gather(1, y[:, None]).squeeze(1)
+        soft = None if t_ids is None else -(t_probs * logp.gather(1, t_ids)).sum(-1)
+        ctx.save_for_backward(logp, y, t_ids, t_probs)
+        return hard, soft
+
+    @staticmethod
+    def backward(ctx, g_hard, g_soft):
+        logp, y, t_ids, t_probs = ctx.saved_tensors
+        scale = g_hard if t_ids is None else g_hard + g_soft * t_probs.sum(-1)
+        grad = logp.exp().mul_(scale[:, None])
+        grad.scatter_add_(1, y[:, None], -g_hard[:, None])
+        if t_ids is not None:
+            grad.scatter_add_(1, t_ids, -(g_soft[:, None] * t_probs))
+        return grad, None, None, None
+
+
+def block_cross_entropy(logits, y, t_ids=None, t_probs=None):
+    """(the cross-entropy of each row of `logits` [n, V] against its label y [n]; with `t_ids`,
+    `t_probs` [n, k] the cross-entropy against that distribution, else None): what
+    `F.cross_entropy(logits, y, reduction="none")` and `-(t_probs * log_softmax(logits).gather(1,
+    t_ids)).sum(-1)` give, with a cheaper backward (`_BlockCrossEntropy`)."""
+    return _BlockCrossEntropy.apply(logits, y, t_ids, t_probs)
+
+
 def weighted_loss(
     hidden,
     lm_head_weight,
@@ -87,20 +121,24 @@ def weighted_loss(
     # vocabulary): with a draft vocabulary they are kept, saving a third of the head's cost.
     remat = h.shape[0] * lm_head_weight.shape[0] > REMAT_LOGITS_ABOVE
     ces, soft_ces = [], []
+    # the Markov head's input embedding once for every chunk (each lookup's backward is a dense gradient of
+    # the table's size, [vocab, rank]: one a step, not one a chunk)
+    embedded = None if prev is None else head_bias.embed(prev)
     for s in range(0, h.shape[0], chunk):
         part_slice = slice(s, s + chunk)
 
-        def part(hc, t_ids=None, t_probs=None, yc=y[part_slice], pc=None if prev is None else prev[part_slice]):
+        def part(hc, ec=None, t_ids=None, t_probs=None, yc=y[part_slice]):
             logits = F.linear(hc, lm_head_weight).float()
-            if pc is not None:
-                logits = logits + head_bias(pc).float()
-            ce = F.cross_entropy(logits, yc, reduction="none")
+            if ec is not None:
+                logits += head_bias.project(ec)  # (in place: the fp32 logits are no copy autograd keeps)
+            ce, soft_ce = block_cross_entropy(logits, yc, t_ids, t_probs)
             if t_ids is None:
                 return ce, logits.argmax(-1)
-            soft_ce = -(t_probs * torch.log_softmax(logits, -1).gather(1, t_ids)).sum(-1)
             return ce, logits.argmax(-1), soft_ce
 
-        args = (h[part_slice],) if t is None else (h[part_slice], t[0][part_slice], t[1][part_slice])
+        args = (h[part_slice], None if embedded is None else embedded[part_slice])
+        if t is not None:
+            args += (t[0][part_slice], t[1][part_slice])
         if remat:
             out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
         else:
