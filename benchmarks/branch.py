@@ -2,15 +2,18 @@
 takes it: --steps more steps of the run's own samples, anchors and order, held-out decode tau (the
 run's evaluation: its prompts, new tokens and block) at the branch's start and end. The change:
 `--decay`: the learning rate falls linearly from the run's to 0 over the steps (where a
-warmup-stable-decay run would stand if it decayed now); `--draft-vocab N`: the run's draft
+warmup-stable-decay run would stand if it decayed now); `--lr X`: the run's schedule at peak rate X;
+`--draft-vocab N`: the run's draft
 vocabulary widened to N tokens (`blockdraft train --resume --draft-vocab N`); neither: the run as it
 is (the control of an A/B). The run is untouched: the branch trains in --out, reads the run's
 feature cache and stores what it computes there under its own writer name (the run reads those
-later). Appends a record to --results (JSON lines).
+later). Appends a record to --results (JSON lines), with the mean training loss of the branch's logged
+steps: branches from one step train on the same batches, so their losses compare directly.
 
     B=".venv/bin/python benchmarks/branch.py --run runs/wide16 --results data/train-logs/branches.jsonl"
     $B --decay --steps 400 --out runs/wide16-decay
     $B --steps 600 --out runs/wide16-same && $B --steps 600 --draft-vocab 16384 --out runs/wide16-vocab
+    $B --steps 500 --lr 6e-4 --out runs/wide16-lr
 
 Pause the run meanwhile (two torch jobs on two cores thrash).
 """
@@ -43,6 +46,7 @@ def main(argv=None):
     ap.add_argument("--run", required=True, help="a run folder with a checkpoint (runs/NAME)")
     ap.add_argument("--steps", type=int, default=400, help="the branch's length, in steps")
     ap.add_argument("--decay", action="store_true", help="the learning rate falls linearly to 0 over the steps")
+    ap.add_argument("--lr", type=float, help="the branch's peak learning rate (the run's schedule at this rate)")
     ap.add_argument("--draft-vocab", type=int, help="widen the run's draft vocabulary to this many tokens")
     ap.add_argument("--out", required=True, help="the branch's own run folder (replaced)")
     ap.add_argument("--results", help="append the branch's record here (JSON lines)")
@@ -61,6 +65,8 @@ def main(argv=None):
     cache, cfg.feature_cache = cfg.feature_cache, None  # (the trainer would open it as the run's writer)
     trainer = Trainer(cfg, resume=True)
     cfg.feature_cache = cache
+    if args.lr:  # (after the checkpoint's settings are checked: the rate is the branch's change)
+        cfg.lr = args.lr
     if cache:  # the run's cache, written under the branch's own name
         trainer.features = FeatureCache(
             cfg.feature_cache,
@@ -93,6 +99,7 @@ def main(argv=None):
         "eval": {"prompts": cfg.eval_prompts, "max_new_tokens": cfg.eval_max_new_tokens, "block": cfg.block_size},
         "minutes": round((time.perf_counter() - t0) / 60, 1),
         "seconds_per_step": seconds_per_step(records),
+        "mean_loss": round(sum(r["loss"] for r in records) / len(records), 4),
         "command": " ".join(["benchmarks/branch.py", *sys.argv[1:]]),
     }
     print(json.dumps(record))

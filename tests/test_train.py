@@ -1604,7 +1604,7 @@ def test_an_accelerator_lease_continues_the_committed_wide_block_run(monkeypatch
 def test_branches_off_a_run_decay_or_widen_it_and_leave_the_run_alone(tiny_corpus, tmp_path, monkeypatch):
     """`benchmarks/branch.py`: from the run's checkpoint, --steps steps; `--decay`: the learning
     rate falls linearly from the run's towards 0; `--draft-vocab N`: the run's schedule with its
-    draft vocabulary widened; held-out tau before and after; the run's checkpoint and feature cache
+    draft vocabulary widened; `--lr X`: at that rate; the mean loss of its logged steps; held-out tau before and after; the run's checkpoint and feature cache
     writer are untouched (a branch stores features under its own name)."""
     root, target, prompts, answers = tiny_corpus
     run, cache = tmp_path / "run", tmp_path / "cache"
@@ -1617,18 +1617,21 @@ def test_branches_off_a_run_decay_or_widen_it_and_leave_the_run_alone(tiny_corpu
     import branch
 
     results = tmp_path / "branches.jsonl"
-    for extra in (["--decay", "--steps", "4"], ["--steps", "2", "--draft-vocab", "56"]):
+    for extra in (["--decay", "--steps", "4"], ["--steps", "2", "--draft-vocab", "56", "--lr", str(2 * cfg.lr)]):
         branch.main(["--run", str(run), *extra, "--out", str(tmp_path / "branch"), "--results", str(results)])
         lrs = [json.loads(line)["lr"] for line in (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()]
         if "--decay" in extra:
             assert len(lrs) == 4 and lrs == sorted(lrs, reverse=True)
             assert lrs[0] > 0.8 * cfg.lr and lrs[-1] < 0.3 * cfg.lr
         else:
-            assert lrs == [cfg.lr] * 2
+            assert lrs == [2 * cfg.lr] * 2
             assert DFlashDrafter.load(tmp_path / "branch" / "checkpoint" / "drafter").draft_vocab.numel() == 56
     decayed, widened = [json.loads(line) for line in results.read_text().splitlines()]
     assert (decayed["from_step"], decayed["steps"], decayed["decay"], decayed["draft_vocab"]) == (6, 4, True, 40)
     assert (widened["from_step"], widened["steps"], widened["decay"], widened["draft_vocab"]) == (6, 2, False, 56)
+    assert (decayed["lr"], widened["lr"]) == (cfg.lr, 2 * cfg.lr)
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "branch" / "metrics.jsonl").read_text().splitlines()]
+    assert widened["mean_loss"] == pytest.approx(sum(logged) / 2, abs=1e-4)
     assert all(1.0 <= r[k] <= 4.0 for r in (decayed, widened) for k in ("tau_before", "tau_after"))
     assert {
         p.name: p.read_bytes()
