@@ -69,3 +69,32 @@ def test_a_page_without_its_two_markers_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="two <!-- headline --> markers"):
         doctable.write_between(page, "headline", "| table |")
     assert page.read_text() == "<!-- headline -->\nonly one marker\n"
+
+
+def test_the_branches_table_names_each_branchs_change(tmp_path):
+    """benchmarks/branches_table.py: the change is read against the settings most branches share
+    (a decay, another peak rate, a wider vocabulary, none), the taus and mean losses as recorded."""
+    import branches_table
+
+    def rec(step, **kw):
+        r = dict(run="runs/wide16", from_step=step, steps=400, decay=False, draft_vocab=8192, lr=3e-4)
+        r.update(tau_before=2.5, tau_after=2.6, seconds_per_step=1.0, mean_loss=12.5)
+        r["eval"] = {"prompts": 32, "max_new_tokens": 96, "block": 16}
+        return {**r, **kw}
+
+    rows = [
+        rec(100, decay=True),
+        rec(200),
+        rec(200, lr=6e-4, tau_after=2.4),
+        rec(300, draft_vocab=16384, added_rows="m"),
+    ]
+    results = tmp_path / "branches.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = branches_table.table(results).splitlines()
+    assert [line.split(" | ")[3] for line in lines[2:6]] == [
+        "learning rate 0.0003 -> 0",
+        "none (the control)",
+        "learning rate 0.0006 (the run's 0.0003)",
+        "draft vocabulary 16,384, added rows at m",
+    ]
+    assert lines[4].split(" | ")[4:7] == ["2.500", "2.400", "12.500"]

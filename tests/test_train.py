@@ -1604,8 +1604,9 @@ def test_an_accelerator_lease_continues_the_committed_wide_block_run(monkeypatch
 def test_branches_off_a_run_decay_or_widen_it_and_leave_the_run_alone(tiny_corpus, tmp_path, monkeypatch):
     """`benchmarks/branch.py`: from the run's checkpoint, --steps steps; `--decay`: the learning
     rate falls linearly from the run's towards 0; `--draft-vocab N`: the run's schedule with its
-    draft vocabulary widened; `--lr X`: at that rate; the mean loss of its logged steps; held-out tau before and after; the run's checkpoint and feature cache
-    writer are untouched (a branch stores features under its own name)."""
+    draft vocabulary widened; `--lr X`: at that rate; the mean loss of its logged steps; held-out
+    tau before and after; the run's checkpoint and feature cache writer are untouched (a branch
+    stores features under its own name)."""
     root, target, prompts, answers = tiny_corpus
     run, cache = tmp_path / "run", tmp_path / "cache"
     cfg = tiny_config(
