@@ -1640,3 +1640,20 @@ def test_branches_off_a_run_decay_or_widen_it_and_leave_the_run_alone(tiny_corpu
         if p.is_file() and p.name in kept
     } == kept
     assert (cache / "index-branch.jsonl").is_file()
+
+
+def test_fit_check_pools_are_the_runs_seen_and_unseen_samples(tiny_corpus, tmp_path, monkeypatch):
+    """benchmarks/fit_check.py: at step 2 of 4 a step (16 samples, 4 a step), the recently seen pool
+    is what step 1 trained on, the early one step 0's, the unseen one steps 2-3's, the held-out one
+    the run's validation samples; every pool's acceptance is the trainer's own evaluation."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fit_check
+
+    trainer = Trainer(tiny_config(tiny_corpus[0], tmp_path / "run"))
+    per = trainer.cfg.batch_size
+    got = list(fit_check.pools(trainer, 2, 1, 16).values())
+    batch = lambda first, last: [trainer.samples[i] for s in range(first, last) for i in trainer.batch_indices(s)]  # noqa: E731
+    assert got[0] == trainer.valid[:16]
+    assert got[1] == batch(1, 2) and got[2] == batch(0, 1) and got[3] == batch(2, len(trainer.samples) // per)
+    with pytest.raises(SystemExit, match="past the first epoch"):
+        fit_check.pools(trainer, len(trainer.samples) // per, 1, 16)
