@@ -131,10 +131,7 @@ def weighted_loss(
             logits = F.linear(hc, lm_head_weight).float()
             if ec is not None:
                 logits += head_bias.project(ec)  # (in place: the fp32 logits are no copy autograd keeps)
-            ce, soft_ce = block_cross_entropy(logits, yc, t_ids, t_probs)
-            if t_ids is None:
-                return ce, logits.argmax(-1)
-            return ce, logits.argmax(-1), soft_ce
+            return (*block_cross_entropy(logits, yc, t_ids, t_probs), logits.argmax(-1))  # (soft_ce: None without)
 
         args = (h[part_slice], None if embedded is None else embedded[part_slice])
         if t is not None:
@@ -143,14 +140,14 @@ def weighted_loss(
             out = torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False)
         else:
             out = part(*args)
-        ce, pred = out[0], out[1]
+        ce, soft_ce, pred = out
         if dpace_alpha is not None:  # weighed once every position's confidence is known
             ces.append(ce)
-            soft_ces.append(out[2] if t is not None else None)
+            soft_ces.append(soft_ce)
         else:
             chunk_loss = (ce * w_hard[part_slice]).sum()
             if t is not None:
-                chunk_loss = (1 - distill) * chunk_loss + distill * (out[2] * w[part_slice]).sum()
+                chunk_loss = (1 - distill) * chunk_loss + distill * (soft_ce * w[part_slice]).sum()
             total = total + chunk_loss
         hit = (pred == y[part_slice]) & (w_hard[part_slice] > 0) if to_draft is not None else pred == y[part_slice]
         correct += torch.bincount(k[part_slice][hit], minlength=block_size)
